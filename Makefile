@@ -1,0 +1,57 @@
+# `make run` sets up everything and starts the product; `make test` runs the checks and the tests.
+SHELL := /bin/bash
+VENV := .venv
+BIN := $(VENV)/bin
+# python3.12 from PATH if it runs, else pyenv's or the system's 3.12.
+PYTHON312 ?= $(shell for p in python3.12 $(HOME)/.pyenv/versions/3.12*/bin/python3.12 /usr/local/bin/python3.12 /usr/bin/python3.12; do \
+	$$p -c 'import sys; print(sys.executable)' 2>/dev/null && break; done)
+TEST_ENV := DEBUG=on SECRET_KEY=test-only REDIS_URL=redis://127.0.0.1:6379/15
+
+.DEFAULT_GOAL := help
+.PHONY: help setup run test lint typecheck pytest bench lock clean
+
+help: ## List the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+
+$(BIN)/.installed: requirements.txt
+	@test -n "$(PYTHON312)" || { echo "Python 3.12 not found: install it or set PYTHON312=/path/to/python3.12"; exit 1; }
+	test -x $(BIN)/python || $(PYTHON312) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# llama-cpp-python builds from source once; pip's wheel cache serves later installs.
+	$(BIN)/pip install --quiet -r requirements.txt
+	touch $@
+
+.env:
+	sed "s|^SECRET_KEY=.*|SECRET_KEY=$$($(PYTHON312) -c 'import secrets; print(secrets.token_urlsafe(50))')|" .env.example > .env
+
+setup: $(BIN)/.installed .env ## Install everything: venv, requirements, database, model, demo user
+	$(BIN)/python manage.py create_database
+	$(BIN)/python manage.py migrate --no-input
+	$(BIN)/python manage.py collectstatic --no-input --verbosity 0
+	$(BIN)/python manage.py prepare_model
+	$(BIN)/python manage.py ensure_demo_user
+
+run: setup ## Set up, then start the web process and one inference node (Procfile)
+	@echo "Open http://127.0.0.1:$${WEB_PORT:-8000}/ and log in with the demo user above."
+	$(BIN)/honcho start
+
+test: $(BIN)/.installed lint typecheck pytest ## Lint, type-check and run the test suite
+
+lint: $(BIN)/.installed ## ruff lint and format check
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(BIN)/.installed ## mypy with django-stubs
+	$(TEST_ENV) $(BIN)/mypy .
+
+pytest: $(BIN)/.installed ## The test suite (real Postgres, Redis, Celery worker and model)
+	$(TEST_ENV) $(BIN)/python manage.py prepare_model
+	$(TEST_ENV) $(BIN)/python manage.py collectstatic --no-input --verbosity 0
+	$(TEST_ENV) $(BIN)/pytest
+
+lock: ## Re-pin requirements.txt from requirements.in
+	$(BIN)/pip install --quiet -r requirements.in
+	$(BIN)/pip freeze --exclude-editable | grep -v '^pip==' > requirements.txt
+
+clean: ## Remove the venv and caches (not pip's wheel cache)
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache staticfiles

@@ -1,0 +1,70 @@
+from django.contrib import admin
+
+from chatapp.models import Conversation, Message, Turn
+
+TURN_MEASUREMENTS = (
+    "prompt_tokens",
+    "cached_tokens",
+    "completion_tokens",
+    "queue_ms",
+    "prefill_ms",
+    "ttft_ms",
+    "decode_tokens_per_s",
+)
+
+
+class MessageInline(admin.TabularInline):
+    model = Message
+    fields = ("role", "content", "created_at")
+    readonly_fields = fields
+    extra = 0
+    can_delete = False
+    show_change_link = True
+
+
+class TurnInline(admin.TabularInline):
+    model = Turn
+    fk_name = "conversation"
+    fields = ("status", "node", "strategy", "finish_reason", *TURN_MEASUREMENTS, "created_at")
+    readonly_fields = fields
+    extra = 0
+    can_delete = False
+    show_change_link = True
+
+
+@admin.register(Conversation)
+class ConversationAdmin(admin.ModelAdmin):
+    list_display = ("id", "title", "owner", "strategy", "created_at", "updated_at")
+    list_filter = ("strategy", "created_at")
+    search_fields = ("title", "owner__username", "messages__content")
+    list_select_related = ("owner",)
+    raw_id_fields = ("owner",)
+    inlines = [MessageInline, TurnInline]
+
+    def get_search_results(self, request, queryset, search_term):
+        queryset, _ = super().get_search_results(request, queryset, search_term)
+        return queryset.distinct(), False
+
+
+@admin.register(Message)
+class MessageAdmin(admin.ModelAdmin):
+    list_display = ("id", "conversation", "role", "short_content", "created_at")
+    list_filter = ("role", "created_at")
+    search_fields = ("content",)
+    list_select_related = ("conversation",)
+    raw_id_fields = ("conversation",)
+    readonly_fields = ("token_ids",)
+
+    @admin.display(description="content")
+    def short_content(self, obj: Message) -> str:
+        return obj.content[:80]
+
+
+@admin.register(Turn)
+class TurnAdmin(admin.ModelAdmin):
+    list_display = ("id", "conversation", "status", "node", "strategy", *TURN_MEASUREMENTS, "created_at")
+    list_filter = ("status", "node", "strategy", "created_at")
+    search_fields = ("user_message__content", "assistant_message__content", "error")
+    list_select_related = ("conversation",)
+    raw_id_fields = ("conversation", "user_message", "assistant_message")
+    readonly_fields = (*TURN_MEASUREMENTS, "created_at", "started_at", "finished_at")

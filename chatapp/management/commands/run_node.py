@@ -1,0 +1,36 @@
+import time
+
+from django.conf import settings
+from django.core.management.base import BaseCommand
+
+from chatapp.celery import app
+from chatapp.health import require_services
+from inference.engine import get_engine
+from router.services import queue_for_node
+
+
+class Command(BaseCommand):
+    help = "Start an inference node: load the model once, then serve the node's own Celery queue."
+
+    def add_arguments(self, parser):
+        parser.add_argument("--name", default=settings.NODE_NAME, help="Node name; it consumes queue node.<name>.")
+        parser.add_argument("--concurrency", type=int, default=1, help="Worker threads (concurrent generations).")
+        parser.add_argument("--loglevel", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+    def handle(self, *, name: str, concurrency: int, loglevel: str, **options):
+        require_services()
+        started = time.perf_counter()
+        engine = get_engine()
+        self.stdout.write(f"node {name}: {engine.name} engine loaded in {time.perf_counter() - started:.1f}s")
+        app.worker_main(
+            argv=[
+                "worker",
+                f"--queues={queue_for_node(name)}",
+                f"--hostname={name}@%h",
+                "--pool=threads",
+                f"--concurrency={concurrency}",
+                f"--loglevel={loglevel}",
+                "--without-gossip",
+                "--without-mingle",
+            ]
+        )

@@ -1,0 +1,14 @@
+"""Celery tasks: thin adapters from a turn id to a service."""
+
+from celery import Task
+
+from chatapp.celery import app
+from chatapp.services import turn_generate
+from inference.engine import get_engine
+
+
+@app.task(name="chatapp.generate", bind=True)
+def generate(self: Task, turn_id: int) -> None:
+    # The worker runs as `<node>@<host>` (see run_node), so its node name is the hostname's first part.
+    node = (self.request.hostname or "unknown").split("@", 1)[0]
+    turn_generate(turn_id=turn_id, engine=get_engine(), node=node)

@@ -1,0 +1,102 @@
+"""Browser views. Every lookup is scoped to the signed-in user: another user's ids are a 404."""
+
+from django.contrib import messages
+from django.contrib.auth.decorators import login_required
+from django.http import HttpRequest, HttpResponse
+from django.shortcuts import redirect, render
+from django.views.decorators.http import require_GET, require_POST
+from django_htmx.http import reswap, retarget
+from django_htmx.middleware import HtmxDetails
+
+from chatapp import selectors, services, streams
+from chatapp.forms import ConversationForm, MessageForm
+from chatapp.models import Conversation, Turn
+
+
+class HtmxHttpRequest(HttpRequest):
+    htmx: HtmxDetails
+
+
+@require_GET
+@login_required
+def conversation_list(request: HtmxHttpRequest) -> HttpResponse:
+    conversations = selectors.conversation_list_for_user(user=request.user)  # type: ignore[arg-type]
+    return render(request, "chat/conversation_list.html", {"conversations": conversations, "form": ConversationForm()})
+
+
+@require_POST
+@login_required
+def conversation_create(request: HtmxHttpRequest) -> HttpResponse:
+    form = ConversationForm(request.POST)
+    title = form.cleaned_data["title"] if form.is_valid() else ""
+    conversation = services.conversation_create(owner=request.user, title=title)  # type: ignore[arg-type]
+    return redirect("chat:conversation_detail", conversation_id=conversation.pk)
+
+
+@require_GET
+@login_required
+def conversation_detail(request: HtmxHttpRequest, conversation_id: int) -> HttpResponse:
+    conversation = selectors.conversation_get_for_user(user=request.user, conversation_id=conversation_id)  # type: ignore[arg-type]
+    return render(request, "chat/conversation_detail.html", _chat_context(conversation))
+
+
+def _chat_context(conversation: Conversation, *, form: MessageForm | None = None, error: str = "") -> dict:
+    pending = selectors.turn_in_progress(conversation=conversation)
+    return {
+        "conversation": conversation,
+        "chat_messages": selectors.message_list_for_conversation(conversation=conversation),
+        "pending_turn": pending,
+        "pending_text": streams.text_so_far(pending.pk) if pending else "",
+        "form": form or MessageForm(),
+        "error": error,
+    }
+
+
+@require_POST
+@login_required
+def turn_create(request: HtmxHttpRequest, conversation_id: int) -> HttpResponse:
+    conversation = selectors.conversation_get_for_user(user=request.user, conversation_id=conversation_id)  # type: ignore[arg-type]
+    form = MessageForm(request.POST)
+    text = form.cleaned_data["text"] if form.is_valid() else ""
+    try:
+        turn = services.turn_start(conversation=conversation, text=text)
+    except services.TurnRejected as exc:
+        if not request.htmx:
+            messages.error(request, str(exc))
+            return redirect("chat:conversation_detail", conversation_id=conversation.pk)
+        context = _chat_context(conversation, form=form, error=str(exc))
+        response = render(request, "chat/conversation_detail.html#composer", context, status=422)
+        return reswap(retarget(response, "#composer"), "outerHTML")
+    if not request.htmx:
+        return redirect("chat:conversation_detail", conversation_id=conversation.pk)
+    context = {"conversation": conversation, "turn": turn, "pending_text": "", "composer_oob": True}
+    context.update(form=MessageForm(), pending_turn=turn)
+    return render(request, "chat/conversation_detail.html#exchange", context)
+
+
+@require_GET
+@login_required
+def turn_detail(request: HtmxHttpRequest, conversation_id: int, turn_id: int) -> HttpResponse:
+    """One turn as it stands: polled by the page while the reply is being written."""
+    turn = selectors.turn_get_for_user(user=request.user, conversation_id=conversation_id, turn_id=turn_id)  # type: ignore[arg-type]
+    if not request.htmx:
+        return redirect("chat:conversation_detail", conversation_id=conversation_id)
+    context = {
+        "conversation": turn.conversation,
+        "turn": turn,
+        "pending_text": "" if turn.is_finished else streams.text_so_far(turn.pk),
+        "form": MessageForm(),
+        "pending_turn": None if turn.is_finished else turn,
+        "composer_oob": turn.is_finished,
+    }
+    return render(request, "chat/conversation_detail.html#turn", context)
+
+
+@require_POST
+@login_required
+def turn_cancel(request: HtmxHttpRequest, conversation_id: int, turn_id: int) -> HttpResponse:
+    turn: Turn = selectors.turn_get_for_user(user=request.user, conversation_id=conversation_id, turn_id=turn_id)  # type: ignore[arg-type]
+    services.turn_cancel(turn=turn)
+    if request.htmx:
+        return HttpResponse(status=204)
+    return redirect("chat:conversation_detail", conversation_id=conversation_id)

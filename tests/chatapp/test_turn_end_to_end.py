@@ -1,0 +1,72 @@
+"""One real turn: turn_start -> Celery -> node process -> llama.cpp -> Postgres and Redis."""
+
+import pytest
+from django.db import transaction
+
+from chatapp import services, streams
+from chatapp.models import Message, Turn
+from tests.factories import ConversationFactory, MessageFactory
+from tests.helpers import wait_for_turn
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def test_a_turn_runs_on_the_node_and_the_next_prompt_contains_it(node):
+    conversation = ConversationFactory.create()
+
+    first = wait_for_turn(services.turn_start(conversation=conversation, text="Hello! What is your favourite fruit?"))
+    assert first.status == Turn.Status.DONE, first.error
+    reply = first.assistant_message
+    assert reply is not None and reply.content.strip()
+    assert reply.token_ids and len(reply.token_ids) == first.completion_tokens
+    assert first.node == node
+    assert first.prompt_tokens and first.prompt_tokens > 10
+    assert first.ttft_ms and first.ttft_ms > 0
+    assert first.queue_ms is not None and first.queue_ms >= 0
+    events = streams.read_all(first.pk)
+    assert [e["type"] for e in (events[0], events[-1])] == ["start", "done"]
+    assert "".join(e["text"] for e in events if e["type"] == "token").strip() == reply.content.strip()
+
+    second = wait_for_turn(services.turn_start(conversation=conversation, text="Why that one?"))
+    assert second.status == Turn.Status.DONE, second.error
+    # The second prompt starts with the first prompt and reply, token for token: the node reused it.
+    reused_at_least = first.prompt_tokens + first.completion_tokens - 1
+    assert second.cached_tokens is not None and second.cached_tokens >= reused_at_least
+    assert second.prompt_tokens is not None and second.prompt_tokens > first.prompt_tokens + first.completion_tokens
+
+
+def test_a_failing_generation_marks_the_turn_failed_and_keeps_the_message(node):
+    conversation = ConversationFactory.create()
+    # A history longer than the node's 4,096-token context: the engine refuses the prompt.
+    for i in range(4):
+        MessageFactory.create(conversation=conversation, content=" ".join(f"word{i}{j}" for j in range(700)))
+    turn = wait_for_turn(services.turn_start(conversation=conversation, text="Still there?"))
+    assert turn.status == Turn.Status.FAILED
+    assert "exceeds the model's 4096-token context" in turn.error
+    assert turn.assistant_message is None
+    assert Message.objects.filter(pk=turn.user_message_id, content="Still there?").exists()
+    assert streams.read_all(turn.pk)[-1]["type"] == "error"
+
+
+def test_cancel_stops_the_reply_and_keeps_what_was_written(node):
+    conversation = ConversationFactory.create()
+    with transaction.atomic():  # the cancel is recorded before the node can see the turn
+        turn = services.turn_start(conversation=conversation, text="Tell me a long story about the sea.")
+        services.turn_cancel(turn=turn)
+    turn = wait_for_turn(turn)
+    assert turn.status == Turn.Status.CANCELLED
+    assert turn.finish_reason == "cancelled"
+    assert turn.completion_tokens == 1
+    assert turn.assistant_message is not None
+
+
+def test_a_redelivered_task_does_not_store_a_second_reply(node):
+    from chatapp.tasks import generate
+    from router.services import queue_for_node
+
+    conversation = ConversationFactory.create()
+    turn = wait_for_turn(services.turn_start(conversation=conversation, text="Hi"))
+    generate.apply_async(args=(turn.pk,), queue=queue_for_node(node))
+    follow_up = wait_for_turn(services.turn_start(conversation=conversation, text="Hello again"))
+    assert follow_up.status == Turn.Status.DONE
+    assert conversation.messages.filter(role=Message.Role.ASSISTANT).count() == 2
