@@ -1,3 +1,5 @@
+import uuid
+
 from django.conf import settings
 from django.contrib.postgres.fields import ArrayField
 from django.db import models
@@ -53,6 +55,8 @@ class Turn(models.Model):
 
     FINISHED = (Status.DONE, Status.FAILED, Status.CANCELLED)
 
+    # Names the turn's Redis stream: unlike the id, never reused (a restored or reset database reuses ids).
+    public_id = models.UUIDField(default=uuid.uuid4, unique=True, editable=False)
     conversation = models.ForeignKey(Conversation, on_delete=models.CASCADE, related_name="turns")
     user_message = models.OneToOneField(Message, on_delete=models.CASCADE, related_name="answered_by")
     assistant_message = models.OneToOneField(
@@ -79,6 +83,10 @@ class Turn(models.Model):
 
     def __str__(self) -> str:
         return f"Turn {self.pk} ({self.status})"
+
+    @property
+    def stream_name(self) -> str:
+        return str(self.public_id)
 
     @property
     def is_finished(self) -> bool:

@@ -73,7 +73,7 @@ def _dispatch(turn: Turn) -> None:
 def turn_cancel(*, turn: Turn) -> None:
     """Ask the node to stop this turn's generation at its next token; the partial reply is kept."""
     if not turn.is_finished:
-        streams.request_cancel(turn.pk)
+        streams.request_cancel(turn.stream_name)
 
 
 def turn_generate(*, turn_id: int, engine: "Engine", node: str) -> None:
@@ -91,8 +91,8 @@ def turn_generate(*, turn_id: int, engine: "Engine", node: str) -> None:
             session_key=f"conversation:{turn.conversation_id}",
             prompt=prompt,
             sampling=engine.default_sampling(),
-            on_text=lambda text: streams.publish(turn.pk, {"type": "token", "text": text}),
-            should_stop=lambda: streams.cancel_requested(turn.pk),
+            on_text=lambda text: streams.publish(turn.stream_name, {"type": "token", "text": text}),
+            should_stop=lambda: streams.cancel_requested(turn.stream_name),
         )
     except Exception as exc:
         logger.exception("turn %s failed on node %s", turn_id, node)
@@ -111,7 +111,7 @@ def _turn_claim(*, turn_id: int, node: str) -> Turn | None:
         turn.started_at = timezone.now()
         turn.queue_ms = (turn.started_at - turn.created_at).total_seconds() * 1000
         turn.save(update_fields=["status", "node", "started_at", "queue_ms"])
-    streams.publish(turn.pk, {"type": "start", "node": node})
+    streams.publish(turn.stream_name, {"type": "start", "node": node})
     return turn
 
 
@@ -159,11 +159,13 @@ def _turn_finish(*, turn: Turn, generation: "Generation") -> None:
         locked.decode_tokens_per_s = generation.decode_tokens_per_s
         locked.finished_at = timezone.now()
         locked.save(update_fields=_FINISH_FIELDS)
-    streams.publish(turn.pk, {"type": "done", "status": locked.status, "message_id": reply.pk, "text": reply.content})
+    streams.publish(
+        turn.stream_name, {"type": "done", "status": locked.status, "message_id": reply.pk, "text": reply.content}
+    )
 
 
 def _turn_fail(*, turn: Turn, error: str) -> None:
     Turn.objects.filter(pk=turn.pk).exclude(status__in=Turn.FINISHED).update(
         status=Turn.Status.FAILED, error=error[:2000], finished_at=timezone.now()
     )
-    streams.publish(turn.pk, {"type": "error", "error": error})
+    streams.publish(turn.stream_name, {"type": "error", "error": error})

@@ -46,7 +46,7 @@ def _chat_context(conversation: Conversation, *, form: MessageForm | None = None
         "conversation": conversation,
         "chat_messages": selectors.message_list_for_conversation(conversation=conversation),
         "pending_turn": pending,
-        "pending_text": streams.text_so_far(pending.pk) if pending else "",
+        "pending_text": streams.text_so_far(pending.stream_name) if pending else "",
         "form": form or MessageForm(),
         "error": error,
     }
@@ -84,7 +84,7 @@ def turn_detail(request: HtmxHttpRequest, conversation_id: int, turn_id: int) ->
     context = {
         "conversation": turn.conversation,
         "turn": turn,
-        "pending_text": "" if turn.is_finished else streams.text_so_far(turn.pk),
+        "pending_text": "" if turn.is_finished else streams.text_so_far(turn.stream_name),
         "form": MessageForm(),
         "pending_turn": None if turn.is_finished else turn,
         "composer_oob": turn.is_finished,

@@ -23,7 +23,7 @@ def test_a_turn_runs_on_the_node_and_the_next_prompt_contains_it(node):
     assert first.prompt_tokens and first.prompt_tokens > 10
     assert first.ttft_ms and first.ttft_ms > 0
     assert first.queue_ms is not None and first.queue_ms >= 0
-    events = streams.read_all(first.pk)
+    events = streams.read_all(first.stream_name)
     assert [e["type"] for e in (events[0], events[-1])] == ["start", "done"]
     assert "".join(e["text"] for e in events if e["type"] == "token").strip() == reply.content.strip()
 
@@ -45,7 +45,7 @@ def test_a_failing_generation_marks_the_turn_failed_and_keeps_the_message(node):
     assert "exceeds the model's 4096-token context" in turn.error
     assert turn.assistant_message is None
     assert Message.objects.filter(pk=turn.user_message_id, content="Still there?").exists()
-    assert streams.read_all(turn.pk)[-1]["type"] == "error"
+    assert streams.read_all(turn.stream_name)[-1]["type"] == "error"
 
 
 def test_cancel_stops_the_reply_and_keeps_what_was_written(node):
