@@ -5,6 +5,7 @@ from chatapp.models import Conversation, Message, Turn
 TURN_MEASUREMENTS = (
     "prompt_tokens",
     "cached_tokens",
+    "restored_from_ram",
     "completion_tokens",
     "queue_ms",
     "prefill_ms",

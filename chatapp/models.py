@@ -69,7 +69,9 @@ class Turn(models.Model):
     error = models.TextField(blank=True)
     prompt_tokens = models.PositiveIntegerField(null=True, blank=True)
     cached_tokens = models.PositiveIntegerField(null=True, blank=True)
+    restored_from_ram = models.BooleanField(default=False, help_text="The session's KV state came back from host RAM.")
     completion_tokens = models.PositiveIntegerField(null=True, blank=True)
+    # Waiting in the node's Celery queue plus waiting for a place in the engine's batch.
     queue_ms = models.FloatField(null=True, blank=True)
     prefill_ms = models.FloatField(null=True, blank=True)
     ttft_ms = models.FloatField(null=True, blank=True)

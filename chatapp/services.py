@@ -129,7 +129,9 @@ _FINISH_FIELDS = [
     "finish_reason",
     "prompt_tokens",
     "cached_tokens",
+    "restored_from_ram",
     "completion_tokens",
+    "queue_ms",
     "prefill_ms",
     "ttft_ms",
     "decode_tokens_per_s",
@@ -140,28 +142,31 @@ _FINISH_FIELDS = [
 def _turn_finish(*, turn: Turn, generation: "Generation") -> None:
     with transaction.atomic():
         locked = Turn.objects.select_for_update().get(pk=turn.pk)
-        if locked.assistant_message_id is not None:
+        if locked.is_finished:
             return
-        reply = Message.objects.create(
-            conversation_id=turn.conversation_id,
-            role=Message.Role.ASSISTANT,
-            content=generation.text,
-            token_ids=generation.token_ids,
-        )
+        reply = None
+        if generation.token_ids:  # a reply stopped before its first token leaves no message
+            reply = Message.objects.create(
+                conversation_id=turn.conversation_id,
+                role=Message.Role.ASSISTANT,
+                content=generation.text,
+                token_ids=generation.token_ids,
+            )
         locked.assistant_message = reply
         locked.status = Turn.Status.CANCELLED if generation.finish_reason == "cancelled" else Turn.Status.DONE
         locked.finish_reason = generation.finish_reason
         locked.prompt_tokens = generation.prompt_tokens
         locked.cached_tokens = generation.cached_tokens
+        locked.restored_from_ram = generation.restored
+        locked.queue_ms = (locked.queue_ms or 0) + generation.queue_ms
         locked.completion_tokens = len(generation.token_ids)
         locked.prefill_ms = generation.prefill_ms
         locked.ttft_ms = generation.ttft_ms
         locked.decode_tokens_per_s = generation.decode_tokens_per_s
         locked.finished_at = timezone.now()
         locked.save(update_fields=_FINISH_FIELDS)
-    streams.publish(
-        turn.stream_name, {"type": "done", "status": locked.status, "message_id": reply.pk, "text": reply.content}
-    )
+    done = {"type": "done", "status": locked.status, "text": generation.text, "message_id": reply.pk if reply else None}
+    streams.publish(turn.stream_name, done)
 
 
 def _turn_fail(*, turn: Turn, error: str) -> None:

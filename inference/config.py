@@ -12,6 +12,10 @@ def _env_float(name: str, default: float) -> float:
     return float(os.environ.get(name, default))
 
 
+def _env_bool(name: str, default: bool) -> bool:
+    return os.environ.get(name, str(default)).strip().lower() in {"1", "true", "on", "yes"}
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How a node loads and runs its model. Every field has an env variable of the same name."""
@@ -20,6 +24,20 @@ class EngineConfig:
     MODEL_PATH: str = field(default_factory=lambda: os.environ.get("MODEL_PATH", ""))
     # Context size in tokens: the longest prompt plus reply one session can hold.
     N_CTX: int = field(default_factory=lambda: _env_int("N_CTX", 4096))
+    # Sessions whose KV cache stays in the context at once; more are spilled to host RAM.
+    MAX_RESIDENT_SESSIONS: int = field(default_factory=lambda: _env_int("MAX_RESIDENT_SESSIONS", 16))
+    # One shared pool of KV cells (KV_SIZE of them) instead of one N_CTX-cell stream per
+    # resident session. Shared packs more short sessions, but every query then attends over
+    # all resident sessions' cells (masked), so decoding slows as the cache fills.
+    KV_UNIFIED: bool = field(default_factory=lambda: _env_bool("KV_UNIFIED", False))
+    # Cells in the shared pool when KV_UNIFIED (else N_CTX x MAX_RESIDENT_SESSIONS).
+    KV_SIZE: int = field(default_factory=lambda: _env_int("KV_SIZE", 32768))
+    # Host RAM for spilled sessions' KV state, in MiB; the least recently used beyond it are dropped.
+    SPILL_BUDGET_MB: int = field(default_factory=lambda: _env_int("SPILL_BUDGET_MB", 2048))
+    # Generations decoded together; further requests wait. Size the node's thread pool to it.
+    MAX_CONCURRENT: int = field(default_factory=lambda: _env_int("MAX_CONCURRENT", 16))
+    # Tokens per llama_decode step: one per decoding sequence, the rest prefill chunks.
+    STEP_TOKEN_BUDGET: int = field(default_factory=lambda: _env_int("STEP_TOKEN_BUDGET", 512))
     # CPU threads for llama.cpp (0: all cores).
     N_THREADS: int = field(default_factory=lambda: _env_int("N_THREADS", 0))
     # Layers offloaded to the GPU (-1: all); ignored by a CPU-only build.
@@ -31,3 +49,7 @@ class EngineConfig:
     TOP_P: float = field(default_factory=lambda: _env_float("TOP_P", 0.95))
     # Mild penalty so the small base model does not loop.
     REPEAT_PENALTY: float = field(default_factory=lambda: _env_float("REPEAT_PENALTY", 1.1))
+
+    @property
+    def kv_cells(self) -> int:
+        return self.KV_SIZE if self.KV_UNIFIED else self.N_CTX * self.MAX_RESIDENT_SESSIONS

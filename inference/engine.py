@@ -1,26 +1,24 @@
-"""The node's engine: takes a session key, prompt tokens and sampling, gives back tokens and measurements.
+"""The node's engine interface: a session key, prompt tokens and sampling in; tokens and measurements out.
 
-`Engine` is the small interface the rest of the product depends on; the
-implementation behind it can change (a single `Llama` here, a batched,
-session-keyed engine later) without touching callers.
+The rest of the product depends on this interface only; `inference.batch_engine`
+implements it. The engine knows sessions and tokens, not conversations or users.
 """
 
-import codecs
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
-from inference.chat_format import GemmaChatFormat
 from inference.config import EngineConfig
-from inference.model_files import resolve_model_path
+
+if TYPE_CHECKING:
+    from inference.chat_format import GemmaChatFormat
 
 FinishReason = Literal["stop", "length", "cancelled"]
 
 
 class PromptTooLong(ValueError):
-    """The prompt plus the reply budget does not fit in the context."""
+    """The prompt plus the reply budget does not fit in a session's context."""
 
 
 @dataclass(frozen=True)
@@ -29,6 +27,8 @@ class Sampling:
     temperature: float
     top_p: float
     repeat_penalty: float
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -37,16 +37,31 @@ class Generation:
     text: str
     finish_reason: FinishReason
     prompt_tokens: int
-    cached_tokens: int
+    cached_tokens: int  # prompt tokens whose KV state was reused rather than computed
+    restored: bool  # the session's state came back from host RAM
+    queue_ms: float  # waiting for a place in the batch
     prefill_ms: float
-    ttft_ms: float
+    ttft_ms: float  # from submission to the first token
     decode_tokens_per_s: float
+
+
+@dataclass(frozen=True)
+class NodeStats:
+    """A snapshot the engine takes after each step, for the router and the admin."""
+
+    running: int = 0
+    waiting: int = 0
+    resident_sessions: int = 0
+    spilled_sessions: int = 0
+    kv_cells_used: int = 0
+    kv_cells_total: int = 0
+    spilled_bytes: int = 0
 
 
 class Engine(Protocol):
     name: str
     n_ctx: int
-    chat_format: GemmaChatFormat
+    chat_format: "GemmaChatFormat"
 
     def default_sampling(self) -> Sampling: ...
 
@@ -60,6 +75,8 @@ class Engine(Protocol):
         should_stop: Callable[[], bool] | None = None,
     ) -> Generation: ...
 
+    def stats(self) -> NodeStats: ...
+
 
 def check_fits(prompt_tokens: int, max_tokens: int, n_ctx: int) -> None:
     if prompt_tokens + max_tokens > n_ctx:
@@ -67,115 +84,6 @@ def check_fits(prompt_tokens: int, max_tokens: int, n_ctx: int) -> None:
             f"The prompt is {prompt_tokens} tokens; with a {max_tokens}-token reply it exceeds "
             f"the model's {n_ctx}-token context."
         )
-
-
-class LlamaEngine:
-    """One `llama_cpp.Llama` holding one sequence; requests are served one at a time.
-
-    It reuses the longest common prefix with the previous request, whichever
-    session that was, so sessions sharing a node evict each other.
-    """
-
-    name = "llama"
-
-    def __init__(self, config: EngineConfig) -> None:
-        from llama_cpp import Llama
-
-        self.config = config
-        self._llm = Llama(
-            model_path=str(resolve_model_path(config.MODEL_PATH)),
-            n_ctx=config.N_CTX,
-            n_threads=config.N_THREADS or None,
-            n_gpu_layers=config.N_GPU_LAYERS,
-            swa_full=True,
-            verbose=False,
-        )
-        self.n_ctx = self._llm.n_ctx()
-        self.chat_format = GemmaChatFormat(self._llm)
-        self._lock = threading.Lock()
-
-    def default_sampling(self) -> Sampling:
-        return Sampling(
-            max_tokens=self.config.MAX_REPLY_TOKENS,
-            temperature=self.config.TEMPERATURE,
-            top_p=self.config.TOP_P,
-            repeat_penalty=self.config.REPEAT_PENALTY,
-        )
-
-    def generate(
-        self,
-        *,
-        session_key: str,
-        prompt: Sequence[int],
-        sampling: Sampling,
-        on_text: Callable[[str], None] | None = None,
-        should_stop: Callable[[], bool] | None = None,
-    ) -> Generation:
-        check_fits(len(prompt), sampling.max_tokens, self.n_ctx)
-        with self._lock:
-            return self._generate_locked(prompt, sampling, on_text, should_stop)
-
-    def _generate_locked(
-        self,
-        prompt: Sequence[int],
-        sampling: Sampling,
-        on_text: Callable[[str], None] | None,
-        should_stop: Callable[[], bool] | None,
-    ) -> Generation:
-        llm = self._llm
-        cached = _common_prefix(llm.input_ids[: llm.n_tokens].tolist(), prompt)
-        # Llama.generate replays the last prompt token when the whole prompt is cached.
-        cached = min(cached, len(prompt) - 1)
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        stop_ids = self.chat_format.stop_token_ids
-        generated: list[int] = []
-        finish: FinishReason = "length"
-        start = time.perf_counter()
-        first_token_at = start
-        for token in llm.generate(
-            prompt,
-            temp=sampling.temperature,
-            top_p=sampling.top_p,
-            repeat_penalty=sampling.repeat_penalty,
-        ):
-            if not generated:
-                first_token_at = time.perf_counter()
-            if token in stop_ids:
-                finish = "stop"
-                break
-            generated.append(token)
-            piece = decoder.decode(llm.detokenize([token]))
-            if piece and on_text:
-                on_text(piece)
-            if len(generated) >= sampling.max_tokens:
-                break
-            if should_stop and should_stop():
-                finish = "cancelled"
-                break
-        end = time.perf_counter()
-        tail = decoder.decode(b"", final=True)
-        if tail and on_text:
-            on_text(tail)
-        decode_s = end - first_token_at
-        return Generation(
-            token_ids=generated,
-            text=llm.detokenize(generated).decode("utf-8", errors="replace"),
-            finish_reason=finish,
-            prompt_tokens=len(prompt),
-            cached_tokens=cached,
-            prefill_ms=(first_token_at - start) * 1000,
-            ttft_ms=(first_token_at - start) * 1000,
-            decode_tokens_per_s=(len(generated) - 1) / decode_s if len(generated) > 1 and decode_s > 0 else 0.0,
-        )
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 _engine: Engine | None = None
@@ -187,5 +95,7 @@ def get_engine() -> Engine:
     global _engine
     with _engine_lock:
         if _engine is None:
-            _engine = LlamaEngine(EngineConfig())
+            from inference.batch_engine import BatchEngine
+
+            _engine = BatchEngine(EngineConfig())
         return _engine

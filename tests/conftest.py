@@ -19,7 +19,7 @@ from tests.factories import UserFactory
 ROOT = Path(__file__).resolve().parent.parent
 OUTPUT_DIR = ROOT / "test-output"
 # Short replies keep the suite fast; greedy decoding keeps it deterministic.
-NODE_ENV = {"MAX_REPLY_TOKENS": "24", "TEMPERATURE": "0", "N_CTX": "4096"}
+NODE_ENV = {"MAX_REPLY_TOKENS": "24", "TEMPERATURE": "0", "N_CTX": "4096", "MAX_RESIDENT_SESSIONS": "4"}
 
 
 @pytest.fixture(scope="session")
@@ -46,7 +46,7 @@ def node_process(django_db_setup, django_db_blocker) -> Iterator[str]:
     log_path = OUTPUT_DIR / f"node-{name}.log"
     with log_path.open("w") as log:
         process = subprocess.Popen(
-            [sys.executable, "manage.py", "run_node", "--name", name, "--concurrency", "2", "--loglevel", "INFO"],
+            [sys.executable, "manage.py", "run_node", "--name", name, "--loglevel", "INFO"],
             cwd=ROOT,
             env=env,
             stdout=log,

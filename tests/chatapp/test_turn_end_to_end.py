@@ -48,7 +48,7 @@ def test_a_failing_generation_marks_the_turn_failed_and_keeps_the_message(node):
     assert streams.read_all(turn.stream_name)[-1]["type"] == "error"
 
 
-def test_cancel_stops_the_reply_and_keeps_what_was_written(node):
+def test_a_reply_cancelled_before_it_starts_stores_no_message(node):
     conversation = ConversationFactory.create()
     with transaction.atomic():  # the cancel is recorded before the node can see the turn
         turn = services.turn_start(conversation=conversation, text="Tell me a long story about the sea.")
@@ -56,8 +56,9 @@ def test_cancel_stops_the_reply_and_keeps_what_was_written(node):
     turn = wait_for_turn(turn)
     assert turn.status == Turn.Status.CANCELLED
     assert turn.finish_reason == "cancelled"
-    assert turn.completion_tokens == 1
-    assert turn.assistant_message is not None
+    assert turn.completion_tokens == 0  # stopped before its first token: no empty reply is stored
+    assert turn.assistant_message is None
+    assert Message.objects.filter(pk=turn.user_message_id).exists()
 
 
 def test_a_redelivered_task_does_not_store_a_second_reply(node):

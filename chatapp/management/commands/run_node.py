@@ -5,6 +5,7 @@ from django.core.management.base import BaseCommand
 
 from chatapp.celery import app
 from chatapp.health import require_services
+from inference.config import EngineConfig
 from inference.engine import get_engine
 from router.services import queue_for_node
 
@@ -14,7 +15,12 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser):
         parser.add_argument("--name", default=settings.NODE_NAME, help="Node name; it consumes queue node.<name>.")
-        parser.add_argument("--concurrency", type=int, default=1, help="Worker threads (concurrent generations).")
+        parser.add_argument(
+            "--concurrency",
+            type=int,
+            default=EngineConfig().MAX_CONCURRENT,
+            help="Worker threads; each waits on one generation (default: MAX_CONCURRENT).",
+        )
         parser.add_argument("--loglevel", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
     def handle(self, *, name: str, concurrency: int, loglevel: str, **options):

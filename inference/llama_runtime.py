@@ -1,0 +1,143 @@
+"""A thin layer over llama.cpp's C API: one model, one context with many sequences, one batch.
+
+Only the engine thread calls into it. ctypes releases the GIL during each
+C call, so Celery's task threads keep running while a batch decodes.
+"""
+
+import ctypes
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import llama_cpp
+from llama_cpp._internals import LlamaContext, LlamaModel, LlamaSampler
+from llama_cpp._logger import set_verbose
+
+from inference.config import EngineConfig
+from inference.model_files import resolve_model_path
+
+
+@dataclass(frozen=True)
+class BatchEntry:
+    token: int
+    pos: int
+    seq_id: int
+    logits: bool
+
+
+class DecodeError(RuntimeError):
+    pass
+
+
+class NoKVSlot(DecodeError):
+    """llama_decode found no room for the batch in the KV cache."""
+
+
+class LlamaRuntime:
+    def __init__(self, config: EngineConfig) -> None:
+        set_verbose(False)  # llama.cpp logs errors only
+        llama_cpp.llama_backend_init()
+        model_params = llama_cpp.llama_model_default_params()
+        model_params.n_gpu_layers = config.N_GPU_LAYERS
+        self.model = LlamaModel(
+            path_model=str(resolve_model_path(config.MODEL_PATH)), params=model_params, verbose=False
+        )
+        threads = config.N_THREADS or os.cpu_count() or 1
+        self.batch_capacity = max(config.STEP_TOKEN_BUDGET, config.MAX_CONCURRENT)
+        ctx_params = llama_cpp.llama_context_default_params()
+        ctx_params.n_ctx = config.kv_cells
+        ctx_params.n_batch = self.batch_capacity
+        ctx_params.n_ubatch = self.batch_capacity
+        ctx_params.n_seq_max = config.MAX_RESIDENT_SESSIONS
+        ctx_params.n_threads = threads
+        ctx_params.n_threads_batch = threads
+        # Full-size sliding-window layers keep a prefix reusable after its window has slid past.
+        ctx_params.kv_unified = config.KV_UNIFIED
+        ctx_params.swa_full = True
+        ctx_params.no_perf = True
+        self.context = LlamaContext(model=self.model, params=ctx_params, verbose=False)
+        self.ctx = self.context.ctx
+        self.memory = llama_cpp.llama_get_memory(self.ctx)
+        self.kv_size = llama_cpp.llama_n_ctx(self.ctx)
+        # The most cells one sequence can hold: the whole pool, or its own stream.
+        self.seq_capacity = llama_cpp.llama_n_ctx_seq(self.ctx)
+        self.n_vocab = self.model.n_vocab()
+        self._batch = llama_cpp.llama_batch_init(self.batch_capacity, 0, 1)
+
+    def close(self) -> None:
+        llama_cpp.llama_batch_free(self._batch)
+        self.context.close()
+        self.model.close()
+
+    # Tokens and text -------------------------------------------------------
+
+    def tokenize(self, text: bytes, add_bos: bool = True, special: bool = False) -> list[int]:
+        return self.model.tokenize(text, add_bos, special)
+
+    def token_bos(self) -> int:
+        return self.model.token_bos()
+
+    def token_eos(self) -> int:
+        return self.model.token_eos()
+
+    def piece(self, token: int) -> bytes:
+        return self.model.detokenize([token])
+
+    def detokenize(self, tokens: Sequence[int]) -> bytes:
+        return self.model.detokenize(list(tokens))
+
+    # Decoding -------------------------------------------------------------
+
+    def decode(self, entries: Sequence[BatchEntry]) -> None:
+        """Decode one batch; entry i's logits (if asked for) are then at index i."""
+        batch = self._batch
+        for i, entry in enumerate(entries):
+            batch.token[i] = entry.token
+            batch.pos[i] = entry.pos
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = entry.seq_id
+            batch.logits[i] = entry.logits
+        batch.n_tokens = len(entries)
+        code = llama_cpp.llama_decode(self.ctx, batch)
+        if code == 1:
+            raise NoKVSlot("no KV cache slot for the batch")
+        if code != 0:
+            raise DecodeError(f"llama_decode returned {code}")
+
+    def sampler(self, *, temperature: float, top_p: float, repeat_penalty: float, seed: int | None) -> LlamaSampler:
+        chain = LlamaSampler()
+        chain.add_penalties(
+            n_vocab=self.n_vocab, penalty_last_n=64, penalty_repeat=repeat_penalty, penalty_freq=0, penalty_present=0
+        )
+        if temperature <= 0:
+            chain.add_greedy()
+        else:
+            chain.add_top_k(40)
+            chain.add_top_p(top_p, 1)
+            chain.add_temp(temperature)
+            chain.add_dist(llama_cpp.LLAMA_DEFAULT_SEED if seed is None else seed)
+        return chain
+
+    def sample(self, sampler: LlamaSampler, index: int) -> int:
+        """Sample from the logits of batch entry `index` (the sampler also records the token)."""
+        return llama_cpp.llama_sampler_sample(sampler.sampler, self.ctx, index)
+
+    # Sequences --------------------------------------------------------------
+
+    def seq_truncate(self, seq_id: int, keep: int) -> None:
+        """Drop the sequence's cells from position `keep` on (0: all of them)."""
+        if not llama_cpp.llama_memory_seq_rm(self.memory, seq_id, keep, -1):
+            raise DecodeError(f"could not truncate sequence {seq_id} at {keep}")
+
+    def seq_save(self, seq_id: int) -> ctypes.Array:
+        """Copy a sequence's KV state into one host buffer (a single C memcpy, no Python loop)."""
+        size = llama_cpp.llama_state_seq_get_size(self.ctx, seq_id)
+        buffer = (ctypes.c_uint8 * size)()
+        written = llama_cpp.llama_state_seq_get_data(self.ctx, buffer, size, seq_id)
+        if written != size:
+            raise DecodeError(f"saved {written} of {size} state bytes for sequence {seq_id}")
+        return buffer
+
+    def seq_restore(self, seq_id: int, buffer: ctypes.Array) -> bool:
+        """Load a saved state into `seq_id`; False if llama.cpp found no room for it."""
+        return llama_cpp.llama_state_seq_set_data(self.ctx, buffer, len(buffer), seq_id) > 0
