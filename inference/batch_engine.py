@@ -178,6 +178,7 @@ class BatchEngine:
             if session.busy:  # one request per session at a time; the next waits its turn
                 skipped.append(request)
                 continue
+            request.admitted_at = time.perf_counter()  # prefill_ms counts a restore from RAM too
             residency = (
                 self.sessions.make_resident(session, request.prompt) if self._reserve_cells(request, session) else None
             )
@@ -219,7 +220,6 @@ class BatchEngine:
             seed=sampling.seed,
         )
         request.text = TextAssembler(sampling.stop)
-        request.admitted_at = time.perf_counter()
         session.busy = True
         self._running.append(request)
 

@@ -1,0 +1,205 @@
+"""Node benchmarks, each a ratio measured side by side in one process (this machine is noisy).
+
+Conversations come in as plain lists of message texts, so this module needs
+nothing but the engine.
+"""
+
+import statistics
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from inference.batch_engine import BatchEngine
+from inference.chat_format import ChatMessage, GemmaChatFormat
+from inference.config import EngineConfig
+from inference.engine import Generation, Sampling
+
+
+@dataclass
+class BenchSettings:
+    long_tokens: int = 1500  # conversation length for the warm/cold and restore measurements
+    repeats: int = 3
+    batch: int = 16
+    decode_tokens: int = 128
+    replay_sessions: int = 16
+    replay_turns: int = 8
+    reply_tokens: int = 32
+    baseline: bool = True  # also replay on llama-cpp-python's own Llama
+    progress: Callable[[str], None] = field(default=lambda message: None)
+
+
+def greedy(max_tokens: int) -> Sampling:
+    return Sampling(max_tokens=max_tokens, temperature=0, top_p=1, repeat_penalty=1.1)
+
+
+def as_chat(texts: Sequence[str]) -> list[ChatMessage]:
+    """Alternate user and assistant, starting with the user."""
+    return [ChatMessage(role="user" if i % 2 == 0 else "assistant", text=t) for i, t in enumerate(texts)]
+
+
+def long_conversation(fmt: GemmaChatFormat, conversations: Sequence[list[str]], tokens: int) -> list[ChatMessage]:
+    """Real messages, conversation after conversation, until the history passes `tokens`; ends on a user turn."""
+    texts: list[str] = []
+    for conversation in conversations:
+        texts += conversation
+        if len(fmt.render(as_chat(texts))) >= tokens:
+            break
+    if len(texts) % 2 == 0:
+        texts.pop()
+    return as_chat(texts)
+
+
+def _parallel(calls: Sequence[Callable[[], object]]) -> float:
+    """Run the calls in threads at once; the wall time in seconds."""
+    threads = [threading.Thread(target=call) for call in calls]
+    start = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return time.perf_counter() - start
+
+
+class NodeBenchmark:
+    def __init__(self, engine: BatchEngine, conversations: list[list[str]], settings: BenchSettings) -> None:
+        self.engine = engine
+        self.fmt = engine.chat_format
+        self.conversations = conversations
+        self.settings = settings
+
+    def run(self) -> dict[str, float]:
+        results: dict[str, float] = {}
+        self.settings.progress("warm vs cold follow-up turns, restore vs recompute")
+        results |= self.warm_cold_and_restore()
+        self.settings.progress(f"decode throughput, 1 vs {self.settings.batch} concurrent generations")
+        results |= self.batch_decode()
+        self.settings.progress(f"replay: {self.settings.replay_sessions} sessions x {self.settings.replay_turns} turns")
+        results |= self.replay()
+        return results
+
+    def _generate(self, session: str, prompt: list[int], max_tokens: int) -> Generation:
+        return self.engine.generate(session_key=session, prompt=prompt, sampling=greedy(max_tokens))
+
+    def warm_cold_and_restore(self) -> dict[str, float]:
+        s = self.settings
+        warm_ttft, cold_ttft, extra, restore_ms, recompute_ms, prompt_tokens = [], [], [], [], [], []
+        for i in range(s.repeats):
+            history = long_conversation(self.fmt, self.conversations[i * 20 :], s.long_tokens)
+            *earlier, question = history
+            turn1 = self.fmt.render(earlier[:-1])  # ends on a user turn; its dataset reply is replaced by the model's
+            reply = self._generate(f"warm-{i}", turn1, s.reply_tokens)
+            answered = [*earlier[:-1], ChatMessage("assistant", reply.text, tuple(reply.token_ids))]
+            turn2 = self.fmt.render([*answered, question])
+            warm = self._generate(f"warm-{i}", turn2, 1)
+            cold = self._generate(f"cold-{i}", turn2, 1)
+            warm_ttft.append(warm.ttft_ms)
+            cold_ttft.append(cold.ttft_ms)
+            extra.append(len(turn1) + len(reply.token_ids) - warm.cached_tokens)
+            prompt_tokens.append(len(turn2))
+
+            # The cold session now holds turn2: spill it, then compare restoring it with recomputing it.
+            for filler in range(self.engine.config.MAX_RESIDENT_SESSIONS):
+                self._generate(f"filler-{i}-{filler}", self.fmt.render([ChatMessage("user", "Hi")]), 1)
+            restored = self._generate(f"cold-{i}", turn2, 1)
+            recomputed = self._generate(f"recompute-{i}", turn2, 1)
+            if not restored.restored:
+                raise RuntimeError("the spilled session was not restored from RAM")
+            restore_ms.append(restored.prefill_ms)
+            recompute_ms.append(recomputed.prefill_ms)
+        return {
+            "conversation_tokens": statistics.median(prompt_tokens),
+            "warm_ttft_ms": statistics.median(warm_ttft),
+            "cold_ttft_ms": statistics.median(cold_ttft),
+            "warm_cold_ttft_ratio": statistics.median(cold_ttft) / statistics.median(warm_ttft),
+            "warm_extra_prefill_tokens": max(extra),
+            "restore_ms": statistics.median(restore_ms),
+            "recompute_ms": statistics.median(recompute_ms),
+            "restore_vs_recompute": statistics.median(restore_ms) / statistics.median(recompute_ms),
+        }
+
+    def batch_decode(self) -> dict[str, float]:
+        s = self.settings
+        prompts = [self.fmt.render([ChatMessage("user", c[0])]) for c in self.conversations[: s.batch]]
+
+        def throughput(n: int, tag: str) -> float:
+            results: list[Generation] = []
+
+            def one(k: int) -> None:
+                results.append(self._generate(f"{tag}-{k}", prompts[k], s.decode_tokens))
+
+            wall = _parallel([lambda k=k: one(k) for k in range(n)])
+            return sum(len(r.token_ids) for r in results) / wall
+
+        single = statistics.median(throughput(1, f"single-{r}") for r in range(2))
+        batched = throughput(s.batch, "batched")
+        return {
+            "decode_tokens_per_s_1": single,
+            f"decode_tokens_per_s_{s.batch}": batched,
+            f"batch{s.batch}_decode_speedup": batched / single,
+        }
+
+    def replay(self) -> dict[str, float]:
+        s = self.settings
+        sessions = [c for c in self.conversations if len(c) >= 2 * s.replay_turns][: s.replay_sessions]
+        generated = [0]
+        lock = threading.Lock()
+
+        def one_session(k: int, texts: list[str]) -> None:
+            history: list[ChatMessage] = []
+            for turn in range(s.replay_turns):
+                history.append(ChatMessage("user", texts[2 * turn]))
+                reply = self._generate(f"replay-{k}", self.fmt.render(history), s.reply_tokens)
+                history.append(ChatMessage("assistant", reply.text, tuple(reply.token_ids)))
+                with lock:
+                    generated[0] += len(reply.token_ids)
+
+        ours = _parallel([lambda k=k, t=t: one_session(k, t) for k, t in enumerate(sessions)])
+        results = {"replay_s": ours, "replay_tokens": float(generated[0])}
+        if s.baseline:
+            s.progress("replay on llama-cpp-python's Llama with LlamaRAMCache, requests serialised")
+            baseline, baseline_tokens = replay_on_llama_cpp_python(self.engine.config, sessions, s)
+            results |= {
+                "replay_s_llama_cpp_python": baseline,
+                "replay_tokens_llama_cpp_python": float(baseline_tokens),
+                "replay_speedup_vs_llama_cpp_python": baseline / ours,
+            }
+        return results
+
+
+def replay_on_llama_cpp_python(config: EngineConfig, sessions: list[list[str]], s: BenchSettings) -> tuple[float, int]:
+    """The same replay on one shared `llama_cpp.Llama` with its `LlamaRAMCache`, one request at a time."""
+    from llama_cpp import Llama, LlamaRAMCache, StoppingCriteriaList
+
+    from inference.model_files import resolve_model_path
+
+    llm = Llama(
+        model_path=str(resolve_model_path(config.MODEL_PATH)),
+        n_ctx=config.N_CTX,
+        n_threads=config.N_THREADS or None,
+        n_gpu_layers=config.N_GPU_LAYERS,
+        verbose=False,
+    )
+    llm.set_cache(LlamaRAMCache(capacity_bytes=config.SPILL_BUDGET_MB * 2**20))
+    fmt = GemmaChatFormat(llm)
+    stop_ids = fmt.stop_token_ids
+    stopping = StoppingCriteriaList([lambda ids, logits: int(ids[-1]) in stop_ids])
+    histories: list[list[ChatMessage]] = [[] for _ in sessions]
+    generated = 0
+    start = time.perf_counter()
+    for turn in range(s.replay_turns):
+        for k, texts in enumerate(sessions):
+            histories[k].append(ChatMessage("user", texts[2 * turn]))
+            completion = llm.create_completion(
+                prompt=fmt.render(histories[k]),
+                max_tokens=s.reply_tokens,
+                temperature=0,
+                repeat_penalty=1.1,
+                stopping_criteria=stopping,
+            )
+            text = completion["choices"][0]["text"]  # type: ignore[index]
+            generated += completion["usage"]["completion_tokens"]  # type: ignore[index]
+            histories[k].append(ChatMessage("assistant", text))
+    wall = time.perf_counter() - start
+    llm.close()
+    return wall, generated
