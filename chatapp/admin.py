@@ -1,6 +1,6 @@
 from django.contrib import admin
 
-from chatapp.models import Conversation, Message, Turn
+from chatapp.models import Conversation, Message, Summary, Turn, UserFact
 
 TURN_MEASUREMENTS = (
     "prompt_tokens",
@@ -16,8 +16,8 @@ TURN_MEASUREMENTS = (
 
 class MessageInline(admin.TabularInline):
     model = Message
-    fields = ("role", "content", "created_at")
-    readonly_fields = fields
+    fields = ("role", "content", "pinned", "excluded", "created_at")
+    readonly_fields = ("role", "content", "created_at")
     extra = 0
     can_delete = False
     show_change_link = True
@@ -49,8 +49,9 @@ class ConversationAdmin(admin.ModelAdmin):
 
 @admin.register(Message)
 class MessageAdmin(admin.ModelAdmin):
-    list_display = ("id", "conversation", "role", "short_content", "created_at")
-    list_filter = ("role", "created_at")
+    list_display = ("id", "conversation", "role", "short_content", "pinned", "excluded", "created_at")
+    list_editable = ("pinned", "excluded")
+    list_filter = ("role", "pinned", "excluded", "created_at")
     search_fields = ("content",)
     list_select_related = ("conversation",)
     raw_id_fields = ("conversation",)
@@ -68,4 +69,28 @@ class TurnAdmin(admin.ModelAdmin):
     search_fields = ("user_message__content", "assistant_message__content", "error")
     list_select_related = ("conversation",)
     raw_id_fields = ("conversation", "user_message", "assistant_message")
-    readonly_fields = (*TURN_MEASUREMENTS, "created_at", "started_at", "finished_at")
+    readonly_fields = (
+        *TURN_MEASUREMENTS,
+        "strategy_options",
+        "trace",
+        "prompt_hash",
+        "prompt_text",
+        "attempt",
+        "created_at",
+        "started_at",
+        "finished_at",
+    )
+
+
+@admin.register(UserFact)
+class UserFactAdmin(admin.ModelAdmin):
+    list_display = ("id", "owner", "text", "created_at")
+    search_fields = ("text", "owner__username")
+    raw_id_fields = ("owner",)
+
+
+@admin.register(Summary)
+class SummaryAdmin(admin.ModelAdmin):
+    list_display = ("id", "conversation", "through_message", "prompt_tokens", "completion_tokens", "ms", "created_at")
+    search_fields = ("text",)
+    raw_id_fields = ("conversation", "through_message")

@@ -10,4 +10,9 @@ urlpatterns = [
     path("c/<int:conversation_id>/send/", views.turn_create, name="turn_create"),
     path("c/<int:conversation_id>/turns/<int:turn_id>/", views.turn_detail, name="turn_detail"),
     path("c/<int:conversation_id>/turns/<int:turn_id>/cancel/", views.turn_cancel, name="turn_cancel"),
+    path("c/<int:conversation_id>/strategy/", views.conversation_strategy, name="conversation_strategy"),
+    path("c/<int:conversation_id>/m/<int:message_id>/flags/", views.message_flags, name="message_flags"),
+    path("facts/", views.fact_list, name="fact_list"),
+    path("facts/<int:fact_id>/", views.fact_update, name="fact_update"),
+    path("facts/<int:fact_id>/delete/", views.fact_delete, name="fact_delete"),
 ]

@@ -1,6 +1,8 @@
 from django import forms
 from django.conf import settings
 
+from chatapp.memory.registry import strategy_aliases
+
 
 class MessageForm(forms.Form):
     # The service checks the text (services.check_message_text); the widget only tells the browser the limit.
@@ -11,3 +13,15 @@ class MessageForm(forms.Form):
 
 class ConversationForm(forms.Form):
     title = forms.CharField(max_length=200, required=False)
+    strategy = forms.ChoiceField(choices=(), required=False, help_text="What of the history is resent each turn.")
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        strategy = self.fields["strategy"]
+        assert isinstance(strategy, forms.ChoiceField)
+        strategy.choices = [(alias, alias) for alias in strategy_aliases()]
+        strategy.initial = settings.CHAT_DEFAULT_STRATEGY
+
+
+class FactForm(forms.Form):
+    text = forms.CharField(max_length=500, widget=forms.TextInput(attrs={"placeholder": "Something to remember"}))

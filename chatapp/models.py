@@ -2,14 +2,20 @@ import uuid
 
 from django.conf import settings
 from django.contrib.postgres.fields import ArrayField
+from django.contrib.postgres.indexes import GinIndex
+from django.contrib.postgres.search import SearchVector
 from django.db import models
+
+
+def default_strategy() -> str:
+    return settings.CHAT_DEFAULT_STRATEGY
 
 
 class Conversation(models.Model):
     owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="conversations")
     title = models.CharField(max_length=200, blank=True)
     strategy = models.CharField(
-        max_length=64, default="full", help_text="Memory-assembly strategy alias (CHAT_MEMORY_STRATEGIES)."
+        max_length=64, default=default_strategy, help_text="Memory-assembly strategy alias (CHAT_MEMORY_STRATEGIES)."
     )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True, db_index=True)
@@ -33,11 +39,16 @@ class Message(models.Model):
     content = models.TextField()
     # The exact ids the model generated, reused verbatim in later prompts so the node's prefix cache hits.
     token_ids = ArrayField(models.IntegerField(), null=True, blank=True)
+    pinned = models.BooleanField(default=False, help_text="Rides in a fixed slot after the system prompt.")
+    excluded = models.BooleanField(default=False, help_text="Never resent to the model.")
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
         ordering = ["created_at", "id"]
-        indexes = [models.Index(fields=["conversation", "created_at", "id"])]
+        indexes = [
+            models.Index(fields=["conversation", "created_at", "id"]),
+            GinIndex(SearchVector("content", config="english"), name="message_content_search"),
+        ]
 
     def __str__(self) -> str:
         return f"{self.role}: {self.content[:60]}"
@@ -64,7 +75,14 @@ class Turn(models.Model):
     )
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.QUEUED, db_index=True)
     node = models.CharField(max_length=100, blank=True, db_index=True)
+    # Bumped each time the turn is sent again (its node died); a task for an older attempt does nothing.
+    attempt = models.PositiveIntegerField(default=0)
     strategy = models.CharField(max_length=64, blank=True)
+    strategy_options = models.JSONField(default=dict, blank=True)
+    # What the strategy resent and dropped (ids, tokens per segment), and the exact prompt, for inspection.
+    trace = models.JSONField(default=dict, blank=True)
+    prompt_hash = models.CharField(max_length=64, blank=True)
+    prompt_text = models.TextField(blank=True)
     finish_reason = models.CharField(max_length=16, blank=True)
     error = models.TextField(blank=True)
     prompt_tokens = models.PositiveIntegerField(null=True, blank=True)
@@ -93,3 +111,36 @@ class Turn(models.Model):
     @property
     def is_finished(self) -> bool:
         return self.status in self.FINISHED
+
+
+class UserFact(models.Model):
+    """Something the user asked to be remembered; strategies with `pinned` resend it every turn."""
+
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="facts")
+    text = models.CharField(max_length=500)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["created_at", "id"]
+
+    def __str__(self) -> str:
+        return self.text[:60]
+
+
+class Summary(models.Model):
+    """A model-written summary of dropped turns; append-only, so prompts that include it keep their prefix."""
+
+    conversation = models.ForeignKey(Conversation, on_delete=models.CASCADE, related_name="summaries")
+    text = models.TextField()
+    through_message = models.ForeignKey(Message, on_delete=models.CASCADE, related_name="+")
+    # Its own cost: the summarisation is a generation too.
+    prompt_tokens = models.PositiveIntegerField(default=0)
+    completion_tokens = models.PositiveIntegerField(default=0)
+    ms = models.FloatField(default=0)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["through_message_id"]
+
+    def __str__(self) -> str:
+        return f"Summary through message {self.through_message_id}"

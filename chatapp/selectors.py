@@ -1,10 +1,14 @@
 """Reads: what a user may see, and the history a turn answers."""
 
+import re
+from collections.abc import Sequence
+
 from django.contrib.auth.models import User
+from django.contrib.postgres.search import SearchQuery, SearchRank, SearchVector
 from django.db.models import QuerySet
 from django.shortcuts import get_object_or_404
 
-from chatapp.models import Conversation, Message, Turn
+from chatapp.models import Conversation, Message, Turn, UserFact
 
 
 def conversation_list_for_user(*, user: User) -> QuerySet[Conversation]:
@@ -25,6 +29,18 @@ def turn_get_for_user(*, user: User, conversation_id: int, turn_id: int) -> Turn
     )
 
 
+def message_get_for_user(*, user: User, conversation_id: int, message_id: int) -> Message:
+    return get_object_or_404(Message, pk=message_id, conversation_id=conversation_id, conversation__owner=user)
+
+
+def fact_list_for_user(*, user: User) -> QuerySet[UserFact]:
+    return UserFact.objects.filter(owner=user)
+
+
+def fact_get_for_user(*, user: User, fact_id: int) -> UserFact:
+    return get_object_or_404(UserFact, pk=fact_id, owner=user)
+
+
 def message_list_for_conversation(*, conversation: Conversation) -> QuerySet[Message]:
     return conversation.messages.select_related("answered_by", "produced_by").order_by("created_at", "id")
 
@@ -33,8 +49,17 @@ def turn_in_progress(*, conversation: Conversation) -> Turn | None:
     return conversation.turns.exclude(status__in=Turn.FINISHED).select_related("user_message").last()
 
 
-def history_for_turn(turn: Turn) -> QuerySet[Message]:
-    """Every message of the conversation up to and including the one this turn answers."""
-    return Message.objects.filter(conversation_id=turn.conversation_id, id__lte=turn.user_message_id).order_by(
-        "created_at", "id"
+def message_search(*, query: str, message_ids: Sequence[int]) -> list[int]:
+    """Postgres full-text search: which of `message_ids` match any word of `query`, best first."""
+    words = [w for w in re.findall(r"\w+", query.lower()) if len(w) > 2]
+    if not words or not message_ids:
+        return []
+    search = SearchQuery(" or ".join(words), search_type="websearch", config="english")
+    vector = SearchVector("content", config="english")
+    return list(
+        Message.objects.filter(pk__in=message_ids)
+        .annotate(rank=SearchRank(vector, search))
+        .filter(rank__gt=0)
+        .order_by("-rank", "id")
+        .values_list("pk", flat=True)
     )

@@ -10,10 +10,13 @@ from django.db import transaction
 from django.utils import timezone
 
 from chatapp import streams
-from chatapp.models import Conversation, Message, Turn
-from chatapp.selectors import history_for_turn
+from chatapp.memory.assembly import turn_prompt, turn_record_prompt
+from chatapp.memory.registry import strategy_aliases
+from chatapp.models import Conversation, Message, Turn, UserFact
 from inference.chat_format import ChatMessage
-from router.services import node_for_session, queue_for_node
+from inference.config import EngineConfig
+from inference.tokenizer import chat_format_for
+from router.services import NoHealthyNode, queue_for_node, session_node
 
 if TYPE_CHECKING:
     from inference.engine import Engine, Generation
@@ -39,24 +42,84 @@ def check_message_text(text: str) -> str:
     return text
 
 
-def conversation_create(*, owner: User, title: str = "") -> Conversation:
+def check_message_fits(text: str) -> None:
+    """Refuse, before storing it, a message that alone cannot fit the context with room for the reply."""
+    config = EngineConfig()
+    fmt = chat_format_for(config.MODEL_PATH)
+    tokens = fmt.count([ChatMessage("user", text)])
+    if tokens + fmt.overhead + config.MAX_REPLY_TOKENS > config.N_CTX:
+        raise TurnRejected(
+            f"The message is {tokens:,} tokens; with room for a reply it does not fit the model's "
+            f"{config.N_CTX:,}-token context. Shorten it or send it in parts."
+        )
+
+
+def check_strategy(alias: str) -> str:
+    if alias not in strategy_aliases():
+        raise ValueError(f"Unknown memory strategy {alias!r}; choose one of: {', '.join(strategy_aliases())}.")
+    return alias
+
+
+def conversation_create(*, owner: User, title: str = "", strategy: str = "") -> Conversation:
     return Conversation.objects.create(
-        owner=owner, title=_CONTROL_CHARS.sub("", title).strip()[:200], strategy=settings.CHAT_DEFAULT_STRATEGY
+        owner=owner,
+        title=_CONTROL_CHARS.sub("", title).strip()[:200],
+        strategy=check_strategy(strategy or settings.CHAT_DEFAULT_STRATEGY),
     )
+
+
+def conversation_set_strategy(*, conversation: Conversation, strategy: str) -> None:
+    """Switch how future turns are assembled; turns already run keep the alias they recorded."""
+    conversation.strategy = check_strategy(strategy)
+    conversation.save(update_fields=["strategy", "updated_at"])
+
+
+def message_set_flags(*, message: Message, pinned: bool | None = None, excluded: bool | None = None) -> None:
+    fields = []
+    if pinned is not None:
+        message.pinned = pinned
+        fields.append("pinned")
+    if excluded is not None:
+        message.excluded = excluded
+        fields.append("excluded")
+    message.save(update_fields=fields)
+
+
+def fact_save(*, owner: User, text: str, fact: UserFact | None = None) -> UserFact:
+    """Add a fact, or change `fact`'s text; the text is checked like a message."""
+    text = check_message_text(text)[:500]
+    if fact is None:
+        return UserFact.objects.create(owner=owner, text=text)
+    fact.text = text
+    fact.save(update_fields=["text"])
+    return fact
+
+
+def fact_delete(*, fact: UserFact) -> None:
+    fact.delete()
+
+
+_REMEMBER = re.compile(r"^\s*remember that\s+(?P<fact>.+)", re.IGNORECASE | re.DOTALL)
 
 
 def turn_start(*, conversation: Conversation, text: str) -> Turn:
     """Store the user's message and its turn in one transaction; enqueue generation once both are durable."""
     text = check_message_text(text)
+    check_message_fits(text)
     with transaction.atomic():
         conversation = Conversation.objects.select_for_update().get(pk=conversation.pk)
         if conversation.turns.exclude(status__in=Turn.FINISHED).exists():
             raise TurnRejected("A reply is still being written; wait for it or stop it first.")
+        try:
+            node = session_node(session_key=session_key_for(conversation))
+        except NoHealthyNode as exc:
+            raise TurnRejected(str(exc)) from exc
         user_message = Message.objects.create(conversation=conversation, role=Message.Role.USER, content=text)
-        node = node_for_session(session_key=str(conversation.pk))
         turn = Turn.objects.create(
-            conversation=conversation, user_message=user_message, node=node, strategy=conversation.strategy
+            conversation=conversation, user_message=user_message, node=node.name, strategy=conversation.strategy
         )
+        if remembered := _REMEMBER.match(text):  # "remember that ..." also saves a fact
+            fact_save(owner=conversation.owner, text=remembered["fact"])
         if not conversation.title:
             conversation.title = text.splitlines()[0][:60]
         conversation.save(update_fields=["title", "updated_at"])
@@ -64,10 +127,39 @@ def turn_start(*, conversation: Conversation, text: str) -> Turn:
     return turn
 
 
+def session_key_for(conversation: Conversation) -> str:
+    """The router's and the engine's name for a conversation."""
+    return f"conversation:{conversation.pk}"
+
+
 def _dispatch(turn: Turn) -> None:
     from chatapp.tasks import generate
 
-    generate.apply_async(args=(turn.pk,), queue=queue_for_node(turn.node))
+    generate.apply_async(args=(turn.pk, turn.attempt), queue=queue_for_node(turn.node))
+
+
+def turns_redispatch(*, from_nodes: list[str]) -> int:
+    """Send the unfinished turns of dead nodes to healthy ones (a new attempt each); the number moved."""
+    moved = 0
+    for turn_id in (
+        Turn.objects.filter(node__in=from_nodes).exclude(status__in=Turn.FINISHED).values_list("pk", flat=True)
+    ):
+        with transaction.atomic():
+            turn = Turn.objects.select_for_update().select_related("conversation").get(pk=turn_id)
+            if turn.is_finished or turn.node not in from_nodes:
+                continue
+            try:
+                node = session_node(session_key=session_key_for(turn.conversation))
+            except NoHealthyNode:
+                logger.warning("turn %s stays on dead node %s: no healthy node", turn.pk, turn.node)
+                continue
+            turn.node = node.name
+            turn.attempt += 1
+            turn.status = Turn.Status.QUEUED
+            turn.save(update_fields=["node", "attempt", "status"])
+            transaction.on_commit(lambda turn=turn: _dispatch(turn))  # type: ignore[misc]
+            moved += 1
+    return moved
 
 
 def turn_cancel(*, turn: Turn) -> None:
@@ -76,21 +168,23 @@ def turn_cancel(*, turn: Turn) -> None:
         streams.request_cancel(turn.stream_name)
 
 
-def turn_generate(*, turn_id: int, engine: "Engine", node: str) -> None:
+def turn_generate(*, turn_id: int, attempt: int, engine: "Engine", node: str) -> None:
     """Run one turn on this node's engine and store its reply; idempotent by turn id.
 
-    A turn already finished (a redelivered task) is left alone, and the reply
-    is stored at most once.
+    A turn already finished, or sent again since this task was queued, is left
+    alone, and the reply is stored at most once.
     """
-    turn = _turn_claim(turn_id=turn_id, node=node)
+    turn = _turn_claim(turn_id=turn_id, attempt=attempt, node=node)
     if turn is None:
         return
+    sampling = engine.default_sampling()
     try:
-        prompt = engine.chat_format.render(_chat_messages(turn))
+        prompt = turn_prompt(turn=turn, engine=engine, sampling=sampling)
+        turn_record_prompt(turn=turn, prompt=prompt, detokenize=engine.chat_format.display)
         generation = engine.generate(
-            session_key=f"conversation:{turn.conversation_id}",
-            prompt=prompt,
-            sampling=engine.default_sampling(),
+            session_key=session_key_for(turn.conversation),
+            prompt=prompt.tokens,
+            sampling=sampling,
             on_text=lambda text: streams.publish(turn.stream_name, {"type": "token", "text": text}),
             should_stop=lambda: streams.cancel_requested(turn.stream_name),
         )
@@ -101,26 +195,18 @@ def turn_generate(*, turn_id: int, engine: "Engine", node: str) -> None:
     _turn_finish(turn=turn, generation=generation)
 
 
-def _turn_claim(*, turn_id: int, node: str) -> Turn | None:
+def _turn_claim(*, turn_id: int, attempt: int, node: str) -> Turn | None:
     with transaction.atomic():
         turn = Turn.objects.select_for_update().select_related("conversation").get(pk=turn_id)
-        if turn.is_finished:
+        if turn.is_finished or turn.attempt != attempt:
             return None
         turn.status = Turn.Status.RUNNING
         turn.node = node
         turn.started_at = timezone.now()
         turn.queue_ms = (turn.started_at - turn.created_at).total_seconds() * 1000
         turn.save(update_fields=["status", "node", "started_at", "queue_ms"])
-    streams.publish(turn.stream_name, {"type": "start", "node": node})
+    streams.publish(turn.stream_name, {"type": "start", "node": node, "attempt": attempt})
     return turn
-
-
-def _chat_messages(turn: Turn) -> list[ChatMessage]:
-    messages = [ChatMessage(role="system", text=settings.CHAT_SYSTEM_PROMPT)] if settings.CHAT_SYSTEM_PROMPT else []
-    for message in history_for_turn(turn):
-        token_ids = tuple(message.token_ids) if message.token_ids is not None else None
-        messages.append(ChatMessage(role=message.role, text=message.content, token_ids=token_ids))  # type: ignore[arg-type]
-    return messages
 
 
 _FINISH_FIELDS = [

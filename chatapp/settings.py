@@ -103,11 +103,40 @@ NODE_QUEUE_PREFIX = "node."
 # Inference nodes. The engine reads its own knobs from the environment
 # (inference.config.EngineConfig); these are the ones the web side needs too.
 NODE_NAME = env.str("NODE_NAME", default="local")
-# Nodes the placeholder router spreads sessions over (the router issue replaces it with a registry).
-ROUTER_NODES = env.list("ROUTER_NODES", default=[NODE_NAME])
+
+# Router: nodes register and heartbeat themselves; sessions stick to their node.
+ROUTER_HEARTBEAT_SECONDS = env.float("ROUTER_HEARTBEAT_SECONDS", default=2.0)
+ROUTER_NODE_TIMEOUT_SECONDS = env.float("ROUTER_NODE_TIMEOUT_SECONDS", default=10.0)
+ROUTER_DEFAULT_POLICY = env.str("ROUTER_DEFAULT_POLICY", default="sticky")
+ROUTER_POLICIES = {
+    "sticky": {"BACKEND": "router.policies.StickyPolicy", "OPTIONS": {"load_factor": 1.25}},
+    "round_robin": {"BACKEND": "router.policies.RoundRobinPolicy"},
+    "least_loaded": {"BACKEND": "router.policies.LeastLoadedPolicy"},
+    "random": {"BACKEND": "router.policies.RandomPolicy"},
+}
 CHAT_MAX_MESSAGE_CHARS = env.int("CHAT_MAX_MESSAGE_CHARS", default=8000)
 CHAT_SYSTEM_PROMPT = env.str("CHAT_SYSTEM_PROMPT", default="")
-CHAT_DEFAULT_STRATEGY = "full"
+# Memory assembly: how much of a conversation is resent each turn (chatapp/memory). Every alias is
+# built at start-up (a system check); a conversation can switch alias at any time.
+CHAT_DEFAULT_STRATEGY = env.str("CHAT_DEFAULT_STRATEGY", default="stable_prefix")
+CHAT_MEMORY_STRATEGIES = {
+    "full": {"BACKEND": "chatapp.memory.strategies.Full"},
+    "window": {"BACKEND": "chatapp.memory.strategies.Window", "OPTIONS": {"exchanges": 6}},
+    "token_budget": {"BACKEND": "chatapp.memory.strategies.TokenBudget", "OPTIONS": {"history_tokens": 1536}},
+    "stable_prefix": {"BACKEND": "chatapp.memory.strategies.StablePrefix", "OPTIONS": {"high": 2560, "low": 1024}},
+    "summary": {
+        "BACKEND": "chatapp.memory.strategies.StablePrefix",
+        "OPTIONS": {"high": 2560, "low": 1024, "summarize": True},
+    },
+    "retrieval": {
+        "BACKEND": "chatapp.memory.strategies.TokenBudget",
+        "OPTIONS": {"history_tokens": 1536, "retrieve": 4},
+    },
+    "pinned": {
+        "BACKEND": "chatapp.memory.strategies.StablePrefix",
+        "OPTIONS": {"high": 2560, "low": 1024, "pinned": True},
+    },
+}
 CHAT_STREAM_TTL_SECONDS = env.int("CHAT_STREAM_TTL_SECONDS", default=3600)
 
 LOGGING = {

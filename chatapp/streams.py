@@ -35,7 +35,14 @@ def read_all(turn_key: str) -> list[dict[str, Any]]:
 
 
 def text_so_far(turn_key: str) -> str:
-    return "".join(e["text"] for e in read_all(turn_key) if e["type"] == "token")
+    """The reply's text so far: tokens since the latest start (a turn sent again restarts its text)."""
+    text: list[str] = []
+    for event in read_all(turn_key):
+        if event["type"] == "start":
+            text.clear()
+        elif event["type"] == "token":
+            text.append(event["text"])
+    return "".join(text)
 
 
 def request_cancel(turn_key: str) -> None:

@@ -8,7 +8,7 @@ from inference.engine import get_engine
 
 
 @app.task(name="chatapp.generate", bind=True)
-def generate(self: Task, turn_id: int) -> None:
+def generate(self: Task, turn_id: int, attempt: int = 0) -> None:
     # The worker runs as `<node>@<host>` (see run_node), so its node name is the hostname's first part.
     node = (self.request.hostname or "unknown").split("@", 1)[0]
-    turn_generate(turn_id=turn_id, engine=get_engine(), node=node)
+    turn_generate(turn_id=turn_id, attempt=attempt, engine=get_engine(), node=node)

@@ -9,7 +9,8 @@ from django_htmx.http import reswap, retarget
 from django_htmx.middleware import HtmxDetails
 
 from chatapp import selectors, services, streams
-from chatapp.forms import ConversationForm, MessageForm
+from chatapp.forms import ConversationForm, FactForm, MessageForm
+from chatapp.memory.registry import strategy_aliases
 from chatapp.models import Conversation, Turn
 
 
@@ -28,8 +29,14 @@ def conversation_list(request: HtmxHttpRequest) -> HttpResponse:
 @login_required
 def conversation_create(request: HtmxHttpRequest) -> HttpResponse:
     form = ConversationForm(request.POST)
-    title = form.cleaned_data["title"] if form.is_valid() else ""
-    conversation = services.conversation_create(owner=request.user, title=title)  # type: ignore[arg-type]
+    if not form.is_valid():
+        messages.error(request, "Pick one of the listed memory strategies.")
+        return redirect("chat:conversation_list")
+    conversation = services.conversation_create(
+        owner=request.user,  # type: ignore[arg-type]
+        title=form.cleaned_data["title"],
+        strategy=form.cleaned_data["strategy"],
+    )
     return redirect("chat:conversation_detail", conversation_id=conversation.pk)
 
 
@@ -49,6 +56,7 @@ def _chat_context(conversation: Conversation, *, form: MessageForm | None = None
         "pending_text": streams.text_so_far(pending.stream_name) if pending else "",
         "form": form or MessageForm(),
         "error": error,
+        "strategies": strategy_aliases(),
     }
 
 
@@ -100,3 +108,72 @@ def turn_cancel(request: HtmxHttpRequest, conversation_id: int, turn_id: int) ->
     if request.htmx:
         return HttpResponse(status=204)
     return redirect("chat:conversation_detail", conversation_id=conversation_id)
+
+
+@require_POST
+@login_required
+def conversation_strategy(request: HtmxHttpRequest, conversation_id: int) -> HttpResponse:
+    conversation = selectors.conversation_get_for_user(user=request.user, conversation_id=conversation_id)  # type: ignore[arg-type]
+    try:
+        services.conversation_set_strategy(conversation=conversation, strategy=request.POST.get("strategy", ""))
+    except ValueError as exc:
+        messages.error(request, str(exc))
+    else:
+        messages.success(request, f"Memory strategy: {conversation.strategy}. It applies from the next turn.")
+    return redirect("chat:conversation_detail", conversation_id=conversation.pk)
+
+
+FLAG_ACTIONS = {
+    "pin": {"pinned": True},
+    "unpin": {"pinned": False},
+    "exclude": {"excluded": True},
+    "include": {"excluded": False},
+}
+
+
+@require_POST
+@login_required
+def message_flags(request: HtmxHttpRequest, conversation_id: int, message_id: int) -> HttpResponse:
+    """Pin, unpin, exclude or include a message in future prompts."""
+    message = selectors.message_get_for_user(user=request.user, conversation_id=conversation_id, message_id=message_id)  # type: ignore[arg-type]
+    flags = FLAG_ACTIONS.get(request.POST.get("action", ""))
+    if flags is None:
+        return HttpResponse("Unknown action; use one of: " + ", ".join(FLAG_ACTIONS), status=400)
+    services.message_set_flags(message=message, **flags)
+    if request.htmx:
+        return render(
+            request, "chat/conversation_detail.html#message", {"message": message, "conversation": message.conversation}
+        )
+    return redirect("chat:conversation_detail", conversation_id=conversation_id)
+
+
+@login_required
+def fact_list(request: HtmxHttpRequest) -> HttpResponse:
+    """The user's saved facts; POST adds one."""
+    form = FactForm(request.POST or None)
+    if request.method == "POST" and form.is_valid():
+        try:
+            services.fact_save(owner=request.user, text=form.cleaned_data["text"])  # type: ignore[arg-type]
+        except services.TurnRejected as exc:
+            messages.error(request, str(exc))
+        return redirect("chat:fact_list")
+    facts = selectors.fact_list_for_user(user=request.user)  # type: ignore[arg-type]
+    return render(request, "chat/fact_list.html", {"facts": facts, "form": form})
+
+
+@require_POST
+@login_required
+def fact_update(request: HtmxHttpRequest, fact_id: int) -> HttpResponse:
+    fact = selectors.fact_get_for_user(user=request.user, fact_id=fact_id)  # type: ignore[arg-type]
+    try:
+        services.fact_save(owner=request.user, text=request.POST.get("text", ""), fact=fact)  # type: ignore[arg-type]
+    except services.TurnRejected as exc:
+        messages.error(request, str(exc))
+    return redirect("chat:fact_list")
+
+
+@require_POST
+@login_required
+def fact_delete(request: HtmxHttpRequest, fact_id: int) -> HttpResponse:
+    services.fact_delete(fact=selectors.fact_get_for_user(user=request.user, fact_id=fact_id))  # type: ignore[arg-type]
+    return redirect("chat:fact_list")

@@ -31,6 +31,8 @@ class Tokenizer(Protocol):
 
     def token_eos(self) -> int: ...
 
+    def detokenize(self, tokens: list[int], *, special: bool = False) -> bytes: ...
+
 
 class GemmaChatFormat:
     """Gemma's turn template: `<start_of_turn>{user|model}\\n{text}<end_of_turn>\\n`.
@@ -51,26 +53,50 @@ class GemmaChatFormat:
     def _tokenize_marker(self, marker: str) -> tuple[int, ...]:
         return tuple(self._tokenizer.tokenize(marker.encode(), add_bos=False, special=True))
 
+    def display(self, tokens: Sequence[int]) -> str:
+        """The tokens as text with the template markers visible (for inspecting a prompt)."""
+        return self._tokenizer.detokenize(list(tokens), special=True).decode("utf-8", errors="replace")
+
     def text_tokens(self, text: str) -> list[int]:
         """Tokens for text a person or the model wrote: special-token syntax stays plain text."""
         return self._tokenizer.tokenize(text.encode(), add_bos=False, special=False)
 
     def render(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True) -> list[int]:
-        tokens = [self._tokenizer.token_bos()]
+        """The prompt: <bos>, then each turn; system texts open the first user turn, each tokenized on its own."""
         system = [m for m in messages if m.role == "system"]
-        pending_system = "\n\n".join(m.text for m in system if m.text)
+        tokens = [self._tokenizer.token_bos()]
         for message in messages:
             if message.role == "system":
                 continue
             tokens += self._marker(f"<start_of_turn>{self.ROLE_NAMES[message.role]}\n")
-            if pending_system and message.role == "user":
-                tokens += self.text_tokens(pending_system + "\n\n")
-                pending_system = ""
-            if message.token_ids is not None:
-                tokens += message.token_ids
-            else:
-                tokens += self.text_tokens(message.text)
+            if system and message.role == "user":
+                for piece in system:
+                    tokens += self._system_tokens(piece)
+                system = []
+            tokens += self._body(message)
             tokens += self._marker("<end_of_turn>\n")
         if add_generation_prompt:
             tokens += self._marker("<start_of_turn>model\n")
         return tokens
+
+    def count(self, messages: Sequence[ChatMessage]) -> int:
+        """Tokens these messages add to a prompt; additive, so segments can be measured one by one."""
+        total = 0
+        for m in messages:
+            if m.role == "system":
+                total += len(self._system_tokens(m))
+            else:
+                opening = self._marker(f"<start_of_turn>{self.ROLE_NAMES[m.role]}\n")
+                total += len(opening) + len(self._body(m)) + len(self._marker("<end_of_turn>\n"))
+        return total
+
+    @property
+    def overhead(self) -> int:
+        """Tokens every prompt has besides its messages: <bos> and the opening of the model's turn."""
+        return 1 + len(self._marker("<start_of_turn>model\n"))
+
+    def _system_tokens(self, message: ChatMessage) -> list[int]:
+        return self.text_tokens(message.text + "\n\n") if message.text else []
+
+    def _body(self, message: ChatMessage) -> list[int]:
+        return list(message.token_ids) if message.token_ids is not None else self.text_tokens(message.text)

@@ -83,8 +83,8 @@ class LlamaRuntime:
     def piece(self, token: int) -> bytes:
         return self.model.detokenize([token])
 
-    def detokenize(self, tokens: Sequence[int]) -> bytes:
-        return self.model.detokenize(list(tokens))
+    def detokenize(self, tokens: Sequence[int], special: bool = False) -> bytes:
+        return self.model.detokenize(list(tokens), special=special)
 
     # Decoding -------------------------------------------------------------
 

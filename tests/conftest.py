@@ -12,19 +12,45 @@ import pytest
 from django.db import connection
 
 from chatapp.celery import app
+from inference.batch_engine import BatchEngine
 from inference.config import EngineConfig
 from inference.model_files import resolve_model_path
-from tests.factories import UserFactory
+from router.models import Node
+from router.services import healthy_nodes
+from tests.factories import NodeFactory, UserFactory
 
 ROOT = Path(__file__).resolve().parent.parent
 OUTPUT_DIR = ROOT / "test-output"
 # Short replies keep the suite fast; greedy decoding keeps it deterministic.
-NODE_ENV = {"MAX_REPLY_TOKENS": "24", "TEMPERATURE": "0", "N_CTX": "4096", "MAX_RESIDENT_SESSIONS": "4"}
+NODE_ENV = {
+    "MAX_REPLY_TOKENS": "24",
+    "TEMPERATURE": "0",
+    "N_CTX": "4096",
+    "MAX_RESIDENT_SESSIONS": "4",
+    "ROUTER_HEARTBEAT_SECONDS": "0.5",
+    "ROUTER_NODE_TIMEOUT_SECONDS": "3",
+}
 
 
 @pytest.fixture(scope="session")
 def model_path() -> Path:
     return resolve_model_path(EngineConfig().MODEL_PATH)
+
+
+@pytest.fixture(scope="session")
+def engine(model_path: Path) -> Iterator[BatchEngine]:
+    """An engine in the test process, small so that spilling and chunked prefill happen quickly."""
+    config = EngineConfig(
+        MODEL_PATH=str(model_path),
+        N_CTX=1024,
+        MAX_RESIDENT_SESSIONS=4,
+        MAX_CONCURRENT=8,
+        STEP_TOKEN_BUDGET=64,
+        N_THREADS=2,
+    )
+    engine = BatchEngine(config)
+    yield engine
+    engine.close()
 
 
 @pytest.fixture(scope="session")
@@ -35,13 +61,9 @@ def tokenizer(model_path: Path):
     return Llama(model_path=str(model_path), vocab_only=True, verbose=False)
 
 
-@pytest.fixture(scope="session")
-def node_process(django_db_setup, django_db_blocker) -> Iterator[str]:
+def start_node(name: str, database: str, **env: str) -> subprocess.Popen:
     """A real inference node (`manage.py run_node`) on its own queue, using the test database."""
-    name = f"test-{uuid.uuid4().hex[:8]}"
-    with django_db_blocker.unblock():
-        database = connection.settings_dict["NAME"]
-    env = os.environ | NODE_ENV | {"DATABASE_URL": f"postgres://postgres@127.0.0.1:5432/{database}"}
+    env = os.environ | NODE_ENV | env | {"DATABASE_URL": f"postgres://postgres@127.0.0.1:5432/{database}"}
     OUTPUT_DIR.mkdir(exist_ok=True)
     log_path = OUTPUT_DIR / f"node-{name}.log"
     with log_path.open("w") as log:
@@ -54,14 +76,19 @@ def node_process(django_db_setup, django_db_blocker) -> Iterator[str]:
         )
     try:
         _wait_until_ready(name, process, log_path)
-        yield name
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    except BaseException:
+        stop_node(process)
+        raise
+    return process
+
+
+def stop_node(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def _wait_until_ready(name: str, process: subprocess.Popen, log_path: Path, timeout: float = 120) -> None:
@@ -76,11 +103,37 @@ def _wait_until_ready(name: str, process: subprocess.Popen, log_path: Path, time
     raise RuntimeError(f"node {name} did not start within {timeout}s:\n{log_path.read_text()[-3000:]}")
 
 
+@pytest.fixture(scope="session")
+def test_database(django_db_setup, django_db_blocker) -> str:
+    with django_db_blocker.unblock():
+        return connection.settings_dict["NAME"]
+
+
+@pytest.fixture(scope="session")
+def node_process(test_database: str) -> Iterator[str]:
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    process = start_node(name, test_database)
+    yield name
+    stop_node(process)
+
+
 @pytest.fixture
-def node(node_process: str, settings) -> str:
-    """Route every session of this test to the test node."""
-    settings.ROUTER_NODES = [node_process]
+def node(node_process: str) -> str:
+    """The test node, registered and healthy (tables flushed by an earlier test refill at its next heartbeat)."""
+    Node.objects.exclude(name=node_process).update(status=Node.Status.DOWN)
+    deadline = time.monotonic() + 15
+    while not any(n.name == node_process for n in healthy_nodes()):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"node {node_process} is not registered as healthy")
+        time.sleep(0.2)
     return node_process
+
+
+@pytest.fixture
+def idle_node(db) -> Node:
+    """A healthy node that nothing consumes: turns are routed and queued but never run (on_commit never fires here)."""
+    Node.objects.update(status=Node.Status.DOWN)
+    return NodeFactory.create(name="idle")
 
 
 @pytest.fixture

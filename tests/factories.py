@@ -1,7 +1,9 @@
 import factory
 from django.contrib.auth.models import User
+from django.utils import timezone
 
 from chatapp.models import Conversation, Message
+from router.models import Node
 
 
 class UserFactory(factory.django.DjangoModelFactory[User]):
@@ -28,3 +30,14 @@ class MessageFactory(factory.django.DjangoModelFactory[Message]):
     conversation = factory.SubFactory(ConversationFactory)
     role = Message.Role.USER
     content = "Hello there."
+
+
+class NodeFactory(factory.django.DjangoModelFactory[Node]):
+    class Meta:
+        model = Node
+
+    name = factory.Sequence(lambda n: f"node{n}")
+    queue = factory.LazyAttribute(lambda node: f"node.{node.name}")
+    status = Node.Status.UP
+    capacity = 16
+    last_heartbeat = factory.LazyFunction(timezone.now)

@@ -4,6 +4,7 @@ import pytest
 
 from chatapp import services
 from chatapp.models import Message, Turn
+from router.models import Node
 from tests.factories import ConversationFactory
 
 
@@ -19,8 +20,7 @@ def test_bad_messages_are_refused_and_nothing_is_stored(db, text, reason):
     assert Turn.objects.count() == 0
 
 
-def test_control_characters_are_removed_and_text_kept(db, settings):
-    settings.ROUTER_NODES = ["nowhere"]
+def test_control_characters_are_removed_and_text_kept(db, idle_node):
     conversation = ConversationFactory.create(title="")
     turn = services.turn_start(conversation=conversation, text="  hello\x00 wor\x1bld\n  ")
     assert turn.user_message.content == "hello world"
@@ -28,8 +28,7 @@ def test_control_characters_are_removed_and_text_kept(db, settings):
     assert conversation.title == "hello world"
 
 
-def test_second_message_waits_for_the_reply_in_progress(db, settings):
-    settings.ROUTER_NODES = ["nowhere"]
+def test_second_message_waits_for_the_reply_in_progress(db, idle_node):
     conversation = ConversationFactory.create()
     services.turn_start(conversation=conversation, text="first")
     with pytest.raises(services.TurnRejected, match="still being written"):
@@ -37,8 +36,14 @@ def test_second_message_waits_for_the_reply_in_progress(db, settings):
     assert list(Message.objects.values_list("content", flat=True)) == ["first"]
 
 
-def test_turn_records_router_node_and_strategy(db, settings):
-    settings.ROUTER_NODES = ["alpha"]
+def test_turn_records_router_node_and_strategy(db, idle_node):
     conversation = ConversationFactory.create(strategy="full")
     turn = services.turn_start(conversation=conversation, text="hi")
-    assert (turn.node, turn.strategy, turn.status) == ("alpha", "full", Turn.Status.QUEUED)
+    assert (turn.node, turn.strategy, turn.status) == (idle_node.name, "full", Turn.Status.QUEUED)
+
+
+def test_no_node_up_refuses_the_message_and_stores_nothing(db):
+    Node.objects.update(status=Node.Status.DOWN)
+    with pytest.raises(services.TurnRejected, match="No inference node is up"):
+        services.turn_start(conversation=ConversationFactory.create(), text="hello?")
+    assert not Message.objects.exists()

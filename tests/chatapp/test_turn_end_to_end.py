@@ -23,6 +23,11 @@ def test_a_turn_runs_on_the_node_and_the_next_prompt_contains_it(node):
     assert first.prompt_tokens and first.prompt_tokens > 10
     assert first.ttft_ms and first.ttft_ms > 0
     assert first.queue_ms is not None and first.queue_ms >= 0
+    # The turn records what its strategy resent, and it is exactly what the node prefilled or reused.
+    assert first.strategy == "stable_prefix" and first.strategy_options
+    assert first.trace["kept"] == [first.user_message_id] and first.trace["dropped"] == []
+    assert first.trace["tokens"] + 4 == first.prompt_tokens  # + <bos> and the model turn's opening
+    assert len(first.prompt_hash) == 32
     events = streams.read_all(first.stream_name)
     assert [e["type"] for e in (events[0], events[-1])] == ["start", "done"]
     assert "".join(e["text"] for e in events if e["type"] == "token").strip() == reply.content.strip()
@@ -33,16 +38,17 @@ def test_a_turn_runs_on_the_node_and_the_next_prompt_contains_it(node):
     reused_at_least = first.prompt_tokens + first.completion_tokens - 1
     assert second.cached_tokens is not None and second.cached_tokens >= reused_at_least
     assert second.prompt_tokens is not None and second.prompt_tokens > first.prompt_tokens + first.completion_tokens
+    assert second.trace["kept"] == [first.user_message_id, reply.pk, second.user_message_id]
 
 
 def test_a_failing_generation_marks_the_turn_failed_and_keeps_the_message(node):
-    conversation = ConversationFactory.create()
-    # A history longer than the node's 4,096-token context: the engine refuses the prompt.
+    conversation = ConversationFactory.create(strategy="full")
+    # A history longer than the node's 4,096-token context: `full` refuses to drop any of it, and says so.
     for i in range(4):
         MessageFactory.create(conversation=conversation, content=" ".join(f"word{i}{j}" for j in range(700)))
     turn = wait_for_turn(services.turn_start(conversation=conversation, text="Still there?"))
     assert turn.status == Turn.Status.FAILED
-    assert "exceeds the model's 4096-token context" in turn.error
+    assert "ContextOverflow" in turn.error and "fit in the model's context" in turn.error
     assert turn.assistant_message is None
     assert Message.objects.filter(pk=turn.user_message_id, content="Still there?").exists()
     assert streams.read_all(turn.stream_name)[-1]["type"] == "error"

@@ -9,7 +9,7 @@ import pytest
 from django.urls import reverse
 
 from chatapp import services
-from chatapp.models import Conversation, Message, Turn
+from chatapp.models import Conversation, Message, Turn, UserFact
 from tests.factories import ConversationFactory, UserFactory
 from tests.helpers import wait_for_turn
 
@@ -65,24 +65,32 @@ def test_pages_need_a_login(client, user):
     assert response["Location"].startswith(reverse("login"))
 
 
-def test_another_users_conversation_is_404_on_every_url(client, user, other_user, settings):
-    settings.ROUTER_NODES = ["nowhere"]
+def test_another_users_conversation_is_404_on_every_url(client, user, other_user, idle_node):
     conversation = ConversationFactory.create(owner=user)
     turn = services.turn_start(conversation=conversation, text="private")
     client.force_login(other_user)
-    c, t = conversation.pk, turn.pk
+    fact = UserFact.objects.create(owner=user, text="private fact")
+    c, t, m = conversation.pk, turn.pk, turn.user_message_id
     gets = [reverse("chat:conversation_detail", args=[c]), reverse("chat:turn_detail", args=[c, t])]
-    posts = [reverse("chat:turn_create", args=[c]), reverse("chat:turn_cancel", args=[c, t])]
+    posts = [
+        reverse("chat:turn_create", args=[c]),
+        reverse("chat:turn_cancel", args=[c, t]),
+        reverse("chat:conversation_strategy", args=[c]),
+        reverse("chat:message_flags", args=[c, m]),
+        reverse("chat:fact_update", args=[fact.pk]),
+        reverse("chat:fact_delete", args=[fact.pk]),
+    ]
     for url in gets:
         assert client.get(url).status_code == 404, url
     for url in posts:
         assert client.post(url, {"text": "hijack"}).status_code == 404, url
     assert "private" not in client.get(reverse("chat:conversation_list")).content.decode()
+    assert "private fact" not in client.get(reverse("chat:fact_list")).content.decode()
     assert Message.objects.count() == 1
+    assert UserFact.objects.get(pk=fact.pk).text == "private fact"
 
 
-def test_admin_shows_a_session_with_its_messages_and_turns(admin_client, settings):
-    settings.ROUTER_NODES = ["nowhere"]
+def test_admin_shows_a_session_with_its_messages_and_turns(admin_client, idle_node):
     conversation = ConversationFactory.create()
     turn = services.turn_start(conversation=conversation, text="inspect me")
     conversation_url = reverse("admin:chatapp_conversation_change", args=[conversation.pk])
@@ -120,3 +128,54 @@ def test_unreachable_services_fail_fast_with_one_line(variable, value, expected)
     assert result.stderr.strip().count("\n") == 0
     assert expected in result.stderr
     assert time.monotonic() - started < 30
+
+
+def test_pin_exclude_and_switch_strategy(client, user, idle_node):
+    client.force_login(user)
+    conversation = ConversationFactory.create(owner=user, strategy="window")
+    message = services.turn_start(conversation=conversation, text="My sister lives in Nairobi.").user_message
+    url = reverse("chat:message_flags", args=[conversation.pk, message.pk])
+    response = client.post(url, {"action": "pin"}, **HTMX)
+    assert response.status_code == 200 and "Unpin" in response.content.decode()
+    client.post(url, {"action": "exclude"}, **HTMX)
+    message.refresh_from_db()
+    assert (message.pinned, message.excluded) == (True, True)
+    assert client.post(url, {"action": "explode"}).status_code == 400
+
+    strategy_url = reverse("chat:conversation_strategy", args=[conversation.pk])
+    client.post(strategy_url, {"strategy": "summary"})
+    conversation.refresh_from_db()
+    assert conversation.strategy == "summary"
+    response = client.post(strategy_url, {"strategy": "bogus"}, follow=True)
+    assert "Unknown memory strategy &#x27;bogus&#x27;" in response.content.decode()
+    conversation.refresh_from_db()
+    assert conversation.strategy == "summary"
+
+
+def test_saved_facts_add_edit_delete_and_remember_that(client, user, idle_node):
+    client.force_login(user)
+    client.post(reverse("chat:fact_list"), {"text": "I am allergic to <script>cats</script>"})
+    fact = UserFact.objects.get(owner=user)
+    page = client.get(reverse("chat:fact_list")).content.decode()
+    assert "&lt;script&gt;cats&lt;/script&gt;" in page and "<script>cats" not in page
+    client.post(reverse("chat:fact_update", args=[fact.pk]), {"text": "I am allergic to dogs"})
+    fact.refresh_from_db()
+    assert fact.text == "I am allergic to dogs"
+    client.post(reverse("chat:fact_update", args=[fact.pk]), {"text": "   "})
+    fact.refresh_from_db()
+    assert fact.text == "I am allergic to dogs"  # an empty edit is refused, nothing lost
+    client.post(reverse("chat:fact_delete", args=[fact.pk]))
+    assert not UserFact.objects.exists()
+
+    services.turn_start(
+        conversation=ConversationFactory.create(owner=user), text="Remember that my cat is called Miso."
+    )
+    assert list(UserFact.objects.values_list("text", flat=True)) == ["my cat is called Miso."]
+
+
+def test_a_message_too_long_for_the_context_is_refused_before_it_is_stored(db, idle_node, settings):
+    settings.CHAT_MAX_MESSAGE_CHARS = 100_000
+    conversation = ConversationFactory.create()
+    with pytest.raises(services.TurnRejected, match="does not fit the model's 4,096-token context"):
+        services.turn_start(conversation=conversation, text=" ".join(f"w{i}" for i in range(5000)))
+    assert not Message.objects.exists()

@@ -1,18 +1,16 @@
 """The batched, session-keyed engine on the real model.
 
-A small engine (4 resident sessions, 64-token steps) so that spilling and
-chunked prefill happen within a few short conversations.
+The `engine` fixture is small (4 resident sessions, 64-token steps) so that
+spilling and chunked prefill happen within a few short conversations.
 """
 
 import threading
 import time
-from collections.abc import Iterator
 
 import pytest
 
 from inference.batch_engine import BatchEngine
 from inference.chat_format import ChatMessage
-from inference.config import EngineConfig
 from inference.engine import Generation, PromptTooLong, Sampling
 
 GREEDY = Sampling(max_tokens=16, temperature=0, top_p=1, repeat_penalty=1.1)
@@ -24,21 +22,6 @@ QUESTIONS = [
     "Where is the Eiffel Tower?",
     "What is the boiling point of water?",
 ]
-
-
-@pytest.fixture(scope="module")
-def engine(model_path) -> Iterator[BatchEngine]:
-    config = EngineConfig(
-        MODEL_PATH=str(model_path),
-        N_CTX=1024,
-        MAX_RESIDENT_SESSIONS=4,
-        MAX_CONCURRENT=8,
-        STEP_TOKEN_BUDGET=64,
-        N_THREADS=2,
-    )
-    engine = BatchEngine(config)
-    yield engine
-    engine.close()
 
 
 def _prompt(engine: BatchEngine, *messages: ChatMessage) -> list[int]:

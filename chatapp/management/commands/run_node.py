@@ -5,13 +5,15 @@ from django.core.management.base import BaseCommand
 
 from chatapp.celery import app
 from chatapp.health import require_services
+from chatapp.node_heartbeat import Heartbeat
 from inference.config import EngineConfig
 from inference.engine import get_engine
-from router.services import queue_for_node
+from router.models import Node
+from router.services import node_set_status, node_start, queue_for_node
 
 
 class Command(BaseCommand):
-    help = "Start an inference node: load the model once, then serve the node's own Celery queue."
+    help = "Start an inference node: load the model once, register with the router, serve the node's own queue."
 
     def add_arguments(self, parser):
         parser.add_argument("--name", default=settings.NODE_NAME, help="Node name; it consumes queue node.<name>.")
@@ -28,15 +30,22 @@ class Command(BaseCommand):
         started = time.perf_counter()
         engine = get_engine()
         self.stdout.write(f"node {name}: {engine.name} engine loaded in {time.perf_counter() - started:.1f}s")
-        app.worker_main(
-            argv=[
-                "worker",
-                f"--queues={queue_for_node(name)}",
-                f"--hostname={name}@%h",
-                "--pool=threads",
-                f"--concurrency={concurrency}",
-                f"--loglevel={loglevel}",
-                "--without-gossip",
-                "--without-mingle",
-            ]
-        )
+        node_start(name=name, capacity=concurrency)
+        heartbeat = Heartbeat(name=name, capacity=concurrency, engine=engine)
+        heartbeat.start()
+        try:
+            app.worker_main(
+                argv=[
+                    "worker",
+                    f"--queues={queue_for_node(name)}",
+                    f"--hostname={name}@%h",
+                    "--pool=threads",
+                    f"--concurrency={concurrency}",
+                    f"--loglevel={loglevel}",
+                    "--without-gossip",
+                    "--without-mingle",
+                ]
+            )
+        finally:
+            heartbeat.stop()
+            node_set_status(name=name, status=Node.Status.DOWN)

@@ -1,0 +1,65 @@
+from django.contrib import admin, messages
+from django.db.models import QuerySet
+from django.http import HttpRequest
+
+from router import services
+from router.models import AssignmentMove, Node, SessionAssignment
+
+
+@admin.register(Node)
+class NodeAdmin(admin.ModelAdmin):
+    list_display = ("name", "status", "healthy", "sessions", "capacity", "running", "kv_used", "last_heartbeat")
+    list_filter = ("status",)
+    search_fields = ("name",)
+    readonly_fields = ("stats", "last_heartbeat", "started_at", "sessions")
+    actions = ["drain", "mark_down", "mark_up"]
+
+    @admin.display(boolean=True)
+    def healthy(self, node: Node) -> bool:
+        return services.is_healthy(node)
+
+    @admin.display(description="running")
+    def running(self, node: Node) -> int | None:
+        return node.stats.get("running")
+
+    @admin.display(description="KV cells used")
+    def kv_used(self, node: Node) -> str:
+        return f"{node.stats.get('kv_cells_used', 0)} / {node.stats.get('kv_cells_total', 0)}"
+
+    def _set(self, request: HttpRequest, queryset: QuerySet[Node], status: Node.Status, verb: str) -> None:
+        for node in queryset:
+            services.node_set_status(name=node.name, status=status)
+        self.message_user(request, f"{queryset.count()} node(s) {verb}.", messages.SUCCESS)
+
+    @admin.action(description="Drain: take no new sessions, let running turns finish")
+    def drain(self, request: HttpRequest, queryset: QuerySet[Node]) -> None:
+        self._set(request, queryset, Node.Status.DRAINING, "draining")
+
+    @admin.action(description="Mark down: route nothing here")
+    def mark_down(self, request: HttpRequest, queryset: QuerySet[Node]) -> None:
+        self._set(request, queryset, Node.Status.DOWN, "marked down")
+
+    @admin.action(description="Mark up")
+    def mark_up(self, request: HttpRequest, queryset: QuerySet[Node]) -> None:
+        self._set(request, queryset, Node.Status.UP, "marked up")
+
+
+@admin.register(SessionAssignment)
+class SessionAssignmentAdmin(admin.ModelAdmin):
+    list_display = ("session_key", "node", "reason", "moves", "assigned_at", "moved_at")
+    list_filter = ("node", "reason")
+    search_fields = ("session_key",)
+    list_select_related = ("node",)
+    readonly_fields = ("session_key", "reason", "moves", "assigned_at", "moved_at")
+    fields = ("session_key", "node", "reason", "moves", "assigned_at", "moved_at")
+
+    def save_model(self, request, obj: SessionAssignment, form, change) -> None:
+        """Moving a session here goes through the router, so loads and the move log stay right."""
+        services.assignment_move(session_key=obj.session_key, node_name=obj.node.name)
+
+
+@admin.register(AssignmentMove)
+class AssignmentMoveAdmin(admin.ModelAdmin):
+    list_display = ("session_key", "from_node", "to_node", "reason", "created_at")
+    list_filter = ("reason", "to_node")
+    search_fields = ("session_key",)

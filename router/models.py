@@ -1,0 +1,56 @@
+from django.db import models
+
+
+class Node(models.Model):
+    """An inference node: a Celery worker consuming its own queue, registered by itself at start."""
+
+    class Status(models.TextChoices):
+        UP = "up"
+        DRAINING = "draining"  # keeps its sessions' running turns, takes no new sessions
+        DOWN = "down"
+
+    name = models.CharField(max_length=100, unique=True)
+    queue = models.CharField(max_length=120)
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.UP, db_index=True)
+    capacity = models.PositiveIntegerField(default=1, help_text="Concurrent generations (MAX_CONCURRENT).")
+    # Sessions currently assigned here: the load that bounded-load hashing balances.
+    sessions = models.IntegerField(default=0)
+    stats = models.JSONField(default=dict, blank=True, help_text="The engine's latest NodeStats.")
+    last_heartbeat = models.DateTimeField(null=True, blank=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class SessionAssignment(models.Model):
+    """Which node serves a session (a conversation, or a prefix-affinity key); one row per session."""
+
+    session_key = models.CharField(max_length=200, unique=True)
+    node = models.ForeignKey(Node, on_delete=models.PROTECT, related_name="assignments")
+    reason = models.CharField(max_length=200)
+    assigned_at = models.DateTimeField(auto_now_add=True)
+    moved_at = models.DateTimeField(null=True, blank=True)
+    moves = models.PositiveIntegerField(default=0)
+
+    def __str__(self) -> str:
+        return f"{self.session_key} -> {self.node_id}"
+
+
+class AssignmentMove(models.Model):
+    """A session that changed node, and why: each move costs a cold prefill on the new node."""
+
+    session_key = models.CharField(max_length=200, db_index=True)
+    from_node = models.CharField(max_length=100)
+    to_node = models.CharField(max_length=100)
+    reason = models.CharField(max_length=200)
+    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return f"{self.session_key}: {self.from_node} -> {self.to_node} ({self.reason})"

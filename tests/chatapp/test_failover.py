@@ -1,0 +1,59 @@
+"""A node killed mid-generation: its turn finishes on another node, with nothing lost or doubled."""
+
+import os
+import signal
+import time
+import uuid
+
+import pytest
+
+from chatapp import services, streams
+from chatapp.models import Message, Turn
+from router.models import Node
+from router.services import assignment_move, healthy_nodes
+from tests.conftest import start_node, stop_node
+from tests.factories import ConversationFactory
+from tests.helpers import wait_for_turn
+
+pytestmark = pytest.mark.django_db(transaction=True)
+LONG_REPLIES = {"MAX_REPLY_TOKENS": "300", "TEMPERATURE": "0.8"}
+
+
+@pytest.fixture
+def doomed_and_spare(test_database):
+    names = [f"doomed-{uuid.uuid4().hex[:6]}", f"spare-{uuid.uuid4().hex[:6]}"]
+    processes = [start_node(name, test_database, **LONG_REPLIES) for name in names]
+    yield list(zip(names, processes, strict=True))
+    for process in processes:
+        if process.poll() is None:
+            stop_node(process)
+
+
+def _wait(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def test_a_node_killed_mid_generation_hands_its_turn_to_another(doomed_and_spare):
+    (doomed, doomed_process), (spare, _) = doomed_and_spare
+    Node.objects.exclude(name__in=[doomed, spare]).update(status=Node.Status.DOWN)
+    _wait(lambda: {n.name for n in healthy_nodes()} == {doomed, spare}, 15, "both nodes to register")
+    conversation = ConversationFactory.create()
+    assignment_move(session_key=services.session_key_for(conversation), node_name=doomed)
+
+    turn = services.turn_start(conversation=conversation, text="Tell me a very long story about a dragon and a sailor.")
+    assert turn.node == doomed
+    _wait(lambda: len(streams.text_so_far(turn.stream_name)) > 20, 60, "the doomed node to start replying")
+    os.kill(doomed_process.pid, signal.SIGKILL)
+
+    turn = wait_for_turn(turn, timeout=120)
+    assert turn.status == Turn.Status.DONE, turn.error
+    assert (turn.node, turn.attempt) == (spare, 1)
+    assert Node.objects.get(name=doomed).status == Node.Status.DOWN
+    assert Message.objects.filter(pk=turn.user_message_id).exists()
+    assert conversation.messages.filter(role=Message.Role.ASSISTANT).count() == 1
+    assert turn.assistant_message is not None
+    assert streams.text_so_far(turn.stream_name).strip() == turn.assistant_message.content.strip()

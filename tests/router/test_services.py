@@ -1,0 +1,97 @@
+"""Assignment on real Postgres: stickiness, overload, drain, down nodes, and racing first turns."""
+
+import random
+import threading
+from datetime import timedelta
+
+import pytest
+from django.db import connection
+from django.utils import timezone
+
+from router import services
+from router.models import AssignmentMove, Node, SessionAssignment
+from router.policies import Choice, NodeLoad, RoutingPolicy
+from tests.factories import NodeFactory
+
+
+def test_a_session_sticks_to_its_first_node(nodes):
+    first = services.session_node(session_key="s1")
+    assert all(services.session_node(session_key="s1") == first for _ in range(5))
+    assert SessionAssignment.objects.get(session_key="s1").node == first
+    assert Node.objects.get(pk=first.pk).sessions == 1
+    assert not AssignmentMove.objects.exists()
+
+
+def test_an_overloaded_node_spills_the_session_and_records_why(nodes):
+    node = services.session_node(session_key="busy")
+    Node.objects.filter(pk=node.pk).update(sessions=50)
+    moved_to = services.session_node(session_key="busy")
+    assert moved_to != node
+    move = AssignmentMove.objects.get(session_key="busy")
+    assert (move.from_node, move.to_node, move.reason) == (node.name, moved_to.name, "node overloaded")
+    assert Node.objects.get(pk=moved_to.pk).sessions == 1
+
+
+def test_a_draining_node_takes_no_sessions_and_its_sessions_move(nodes):
+    node = services.session_node(session_key="s")
+    services.node_set_status(name=node.name, status=Node.Status.DRAINING)
+    assert services.session_node(session_key="s") != node
+    assert AssignmentMove.objects.get(session_key="s").reason == "node down or draining"
+    assert all(services.session_node(session_key=f"new{i}") != node for i in range(20))
+
+
+def test_a_node_that_misses_heartbeats_is_reaped_and_its_sessions_move(nodes, settings):
+    node = services.session_node(session_key="s")
+    Node.objects.filter(pk=node.pk).update(last_heartbeat=timezone.now() - timedelta(seconds=60))
+    assert services.nodes_reap() == [node.name]
+    assert Node.objects.get(pk=node.pk).status == Node.Status.DOWN
+    assert services.session_node(session_key="s") != node
+
+
+def test_no_healthy_node_is_a_clear_error(db):
+    Node.objects.update(status=Node.Status.DOWN)
+    NodeFactory.create(last_heartbeat=timezone.now() - timedelta(hours=1))
+    with pytest.raises(services.NoHealthyNode, match="No inference node is up"):
+        services.session_node(session_key="s")
+
+
+def test_an_operator_can_move_a_session(nodes):
+    node = services.session_node(session_key="s")
+    target = next(n for n in nodes if n != node)
+    services.assignment_move(session_key="s", node_name=target.name)
+    assert services.session_node(session_key="s") == target
+    assert AssignmentMove.objects.get(session_key="s").reason == "moved by an operator"
+
+
+class ScatterThenStick(RoutingPolicy):
+    """Places a new session on a random node, then keeps it: racers disagree unless the router serialises them."""
+
+    def choose(self, *, session_key: str, current: str | None, nodes: list[NodeLoad]) -> Choice:
+        return Choice(current or random.choice(nodes).name, "test")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_concurrent_first_turns_of_a_session_get_the_same_node(settings):
+    settings.ROUTER_POLICIES = {"scatter": {"BACKEND": "tests.router.test_services.ScatterThenStick"}}
+    settings.ROUTER_DEFAULT_POLICY = "scatter"
+    Node.objects.update(status=Node.Status.DOWN)
+    for i in range(4):
+        NodeFactory.create(name=f"race{i}")
+    chosen: list[str] = []
+    barrier = threading.Barrier(8)
+
+    def first_turn() -> None:
+        try:
+            barrier.wait()
+            chosen.append(services.session_node(session_key="racing").name)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=first_turn) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(chosen) == 8 and len(set(chosen)) == 1
+    assert SessionAssignment.objects.filter(session_key="racing").count() == 1
+    assert sum(Node.objects.filter(name__startswith="race").values_list("sessions", flat=True)) == 1
