@@ -2,10 +2,13 @@
 
 import random
 import statistics
+import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 
-from django.db import transaction
+from django.db import connection, transaction
 from django.utils import timezone
 
 from router import services
@@ -20,6 +23,26 @@ def register_nodes(count: int) -> list[str]:
         [Node(name=n, queue=services.queue_for_node(n), capacity=16, last_heartbeat=now) for n in names]
     )
     return names
+
+
+@contextmanager
+def heartbeating(names: list[str], every: float = 1.0) -> Iterator[None]:
+    """Keep the benchmark's nodes heartbeating from a thread, as live nodes would."""
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(every):
+            for name in names:  # one row per statement, as each live node does for itself
+                Node.objects.filter(name=name).update(last_heartbeat=timezone.now())
+        connection.close()
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def preassign(sessions: int, names: list[str]) -> None:

@@ -11,7 +11,7 @@ from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import F, Q
 from django.utils import timezone
 
@@ -106,32 +106,72 @@ def healthy_nodes() -> list[Node]:
 def session_node(*, session_key: str, policy: str | None = None) -> Node:
     """The node for this session's next turn: kept while healthy and not overloaded, else moved and recorded.
 
-    Race-free: concurrent first turns of one session get the same node (the
-    assignment row is unique per session and locked while deciding).
+    The common cases cost one statement each: a follow-up that stays put is
+    decided from a single read, and a new session is placed by a single insert
+    that also counts it. Moving a session (its node is down, draining or
+    overloaded, or another request placed it first) locks its assignment row
+    and decides again under the lock, so racing turns of one session agree.
     """
     chooser = policy_get(policy)
-    nodes = healthy_nodes()
+    nodes, current = _healthy_nodes_and_current(session_key)
     if not nodes:
         raise NoHealthyNode("No inference node is up; try again shortly.")
     by_name = {n.name: n for n in nodes}
     loads = [NodeLoad(n.name, n.sessions) for n in nodes]
-    locked = SessionAssignment.objects.select_for_update(of=("self",)).select_related("node")
+    if current is not None and chooser.choose(session_key=session_key, current=current, nodes=loads).node == current:
+        return by_name[current]
+    if current is None:
+        choice = chooser.choose(session_key=session_key, current=None, nodes=loads)
+        if _place_new(session_key, by_name[choice.node], choice.reason):
+            return by_name[choice.node]
     with transaction.atomic():
-        assignment = locked.filter(session_key=session_key).first()
-        if assignment is None:
-            choice = chooser.choose(session_key=session_key, current=None, nodes=loads)
-            assignment, created = SessionAssignment.objects.get_or_create(
-                session_key=session_key, defaults={"node": by_name[choice.node], "reason": choice.reason}
-            )
-            if created:
-                Node.objects.filter(name=choice.node).update(sessions=F("sessions") + 1)
-                return by_name[choice.node]
-            assignment = locked.get(pk=assignment.pk)  # another request placed it first: use its choice
+        assignment = (
+            SessionAssignment.objects.select_for_update(of=("self",))
+            .select_related("node")
+            .get(session_key=session_key)
+        )
         current = assignment.node.name if assignment.node.name in by_name else None
         choice = chooser.choose(session_key=session_key, current=current, nodes=loads)
         if choice.node != assignment.node.name:
             _move(assignment, by_name[choice.node], choice.reason if current else "node down or draining")
         return by_name[choice.node]
+
+
+def _healthy_nodes_and_current(session_key: str) -> tuple[list[Node], str | None]:
+    """Healthy nodes with their loads, and the session's node if it is one of them: one query (hot path)."""
+    nodes = list(
+        Node.objects.raw(
+            """
+            SELECT n.id, n.name, n.queue, n.status, n.capacity, n.sessions, n.last_heartbeat,
+                   EXISTS (SELECT 1 FROM router_sessionassignment a
+                           WHERE a.session_key = %s AND a.node_id = n.id) AS is_current
+            FROM router_node n
+            WHERE n.status = %s AND n.last_heartbeat >= %s
+            ORDER BY n.name
+            """,
+            [session_key, Node.Status.UP, _heartbeat_cutoff()],
+        )
+    )
+    current = next((n.name for n in nodes if n.is_current), None)  # type: ignore[attr-defined]
+    return nodes, current
+
+
+def _place_new(session_key: str, node: Node, reason: str) -> bool:
+    """Assign a session that has no node yet and count it, in one statement; False if it already has one."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            """
+            WITH placed AS (
+                INSERT INTO router_sessionassignment (session_key, node_id, reason, assigned_at, moves)
+                VALUES (%s, %s, %s, now(), 0)
+                ON CONFLICT (session_key) DO NOTHING
+                RETURNING node_id
+            )
+            UPDATE router_node SET sessions = sessions + 1 WHERE id IN (SELECT node_id FROM placed) RETURNING id
+            """,
+            [session_key, node.pk, reason],
+        )
+        return cursor.fetchone() is not None
 
 
 def assignment_move(*, session_key: str, node_name: str, reason: str = "moved by an operator") -> None:
@@ -154,6 +194,8 @@ def assignment_move(*, session_key: str, node_name: str, reason: str = "moved by
 def _move(assignment: SessionAssignment, to: Node, reason: str) -> None:
     """Call inside the transaction that locked `assignment`."""
     from_name = assignment.node.name
+    # Lock both nodes in one order (by pk) so that opposite moves cannot deadlock.
+    list(Node.objects.select_for_update().filter(pk__in=[assignment.node_id, to.pk]).order_by("pk"))
     Node.objects.filter(pk=assignment.node_id).update(sessions=F("sessions") - 1)
     Node.objects.filter(pk=to.pk).update(sessions=F("sessions") + 1)
     AssignmentMove.objects.create(

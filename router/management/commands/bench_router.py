@@ -25,6 +25,7 @@ class Command(BaseCommand):
         if options["nodes"] < 1 or options["sessions"] < 1:
             raise CommandError("--nodes and --sessions must be at least 1.")
         old_name = connection.settings_dict["NAME"]
+        connection.settings_dict["TEST"]["NAME"] = f"{old_name}_bench_router"  # never the test suite's database
         connection.creation.create_test_db(verbosity=0, autoclobber=True, serialize=False)
         try:
             results = self._measure(options)
@@ -41,6 +42,10 @@ class Command(BaseCommand):
 
     def _measure(self, options) -> dict[str, dict[str, float]]:
         names = benchmark.register_nodes(options["nodes"])
+        with benchmark.heartbeating(names):
+            return self._measure_with(names, options)
+
+    def _measure_with(self, names: list[str], options) -> dict[str, dict[str, float]]:
         benchmark.preassign(options["sessions"], names)
         default = settings.ROUTER_DEFAULT_POLICY
         results = {default: benchmark.assign_latency(options["sessions"], options["decisions"], options["seed"])}
