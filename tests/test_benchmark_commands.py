@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_command(*args: str) -> dict:
-    result = subprocess.run(  # noqa: S603
+    result = subprocess.run(
         [sys.executable, "manage.py", *args, "--json"], cwd=ROOT, capture_output=True, text=True, timeout=600
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -18,7 +18,9 @@ def run_command(*args: str) -> dict:
 
 def test_bench_node_prints_its_figures():
     small = ["--repeats", "1", "--long-tokens", "300", "--batch", "2", "--decode-tokens", "8"]
-    figures = run_command("bench_node", *small, "--sessions", "2", "--turns", "2", "--reply-tokens", "8", "--no-baseline")
+    figures = run_command(
+        "bench_node", *small, "--sessions", "2", "--turns", "2", "--reply-tokens", "8", "--no-baseline"
+    )
     assert figures["warm_extra_prefill_tokens"] == 0
     assert figures["warm_cold_ttft_ratio"] > 1
     assert 0 < figures["restore_vs_recompute"] < 1
