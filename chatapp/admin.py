@@ -1,6 +1,7 @@
 from django.contrib import admin
 
-from chatapp.models import Conversation, Message, Summary, Turn, UserFact
+from chatapp.api.keys import api_key_revoke
+from chatapp.models import ApiKey, Conversation, Message, Summary, Turn, UserFact
 
 TURN_MEASUREMENTS = (
     "prompt_tokens",
@@ -35,8 +36,8 @@ class TurnInline(admin.TabularInline):
 
 @admin.register(Conversation)
 class ConversationAdmin(admin.ModelAdmin):
-    list_display = ("id", "title", "owner", "strategy", "created_at", "updated_at")
-    list_filter = ("strategy", "created_at")
+    list_display = ("id", "title", "owner", "source", "strategy", "created_at", "updated_at")
+    list_filter = ("source", "strategy", "created_at")
     search_fields = ("title", "owner__username", "messages__content")
     list_select_related = ("owner",)
     raw_id_fields = ("owner",)
@@ -94,3 +95,22 @@ class SummaryAdmin(admin.ModelAdmin):
     list_display = ("id", "conversation", "through_message", "prompt_tokens", "completion_tokens", "ms", "created_at")
     search_fields = ("text",)
     raw_id_fields = ("conversation", "through_message")
+
+
+@admin.register(ApiKey)
+class ApiKeyAdmin(admin.ModelAdmin):
+    """Keys are made by their owners (the key is shown once); staff can see and revoke them."""
+
+    list_display = ("name", "owner", "prefix", "created_at", "last_used_at", "revoked_at")
+    list_filter = ("revoked_at",)
+    search_fields = ("name", "prefix", "owner__username")
+    readonly_fields = ("owner", "name", "prefix", "hashed", "created_at", "last_used_at", "revoked_at")
+    actions = ["revoke"]
+
+    def has_add_permission(self, request) -> bool:
+        return False
+
+    @admin.action(description="Revoke the selected keys")
+    def revoke(self, request, queryset) -> None:
+        for key in queryset:
+            api_key_revoke(key=key)

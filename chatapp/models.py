@@ -12,8 +12,17 @@ def default_strategy() -> str:
 
 
 class Conversation(models.Model):
+    class Source(models.TextChoices):
+        UI = "ui"
+        API = "api"
+
     owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="conversations")
     title = models.CharField(max_length=200, blank=True)
+    source = models.CharField(max_length=8, choices=Source.choices, default=Source.UI, db_index=True)
+    # An API client's session id (X-Session-ID, `user`, or a hash of its first messages).
+    api_session = models.CharField(max_length=200, blank=True, db_index=True)
+    # A system prompt of this conversation's own (API clients send one); empty: settings.CHAT_SYSTEM_PROMPT.
+    system_prompt = models.TextField(blank=True)
     strategy = models.CharField(
         max_length=64, default=default_strategy, help_text="Memory-assembly strategy alias (CHAT_MEMORY_STRATEGIES)."
     )
@@ -79,6 +88,8 @@ class Turn(models.Model):
     attempt = models.PositiveIntegerField(default=0)
     strategy = models.CharField(max_length=64, blank=True)
     strategy_options = models.JSONField(default=dict, blank=True)
+    # Sampling this turn asked for (an API request's parameters) over the node's defaults.
+    sampling = models.JSONField(default=dict, blank=True)
     # What the strategy resent and dropped (ids, tokens per segment), and the exact prompt, for inspection.
     trace = models.JSONField(default=dict, blank=True)
     prompt_hash = models.CharField(max_length=64, blank=True)
@@ -144,3 +155,21 @@ class Summary(models.Model):
 
     def __str__(self) -> str:
         return f"Summary through message {self.through_message_id}"
+
+
+class ApiKey(models.Model):
+    """A user's key for the OpenAI-compatible API; only a hash is stored, the key is shown once."""
+
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="api_keys")
+    name = models.CharField(max_length=100)
+    prefix = models.CharField(max_length=16, unique=True, help_text="The key's first characters, to find it.")
+    hashed = models.CharField(max_length=64)
+    created_at = models.DateTimeField(auto_now_add=True)
+    last_used_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.prefix}...)"

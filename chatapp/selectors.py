@@ -8,7 +8,7 @@ from django.contrib.postgres.search import SearchQuery, SearchRank, SearchVector
 from django.db.models import QuerySet
 from django.shortcuts import get_object_or_404
 
-from chatapp.models import Conversation, Message, Turn, UserFact
+from chatapp.models import ApiKey, Conversation, Message, Turn, UserFact
 
 
 def conversation_list_for_user(*, user: User) -> QuerySet[Conversation]:
@@ -31,6 +31,14 @@ def turn_get_for_user(*, user: User, conversation_id: int, turn_id: int) -> Turn
 
 def message_get_for_user(*, user: User, conversation_id: int, message_id: int) -> Message:
     return get_object_or_404(Message, pk=message_id, conversation_id=conversation_id, conversation__owner=user)
+
+
+def api_key_list_for_user(*, user: User) -> QuerySet[ApiKey]:
+    return ApiKey.objects.filter(owner=user)
+
+
+def api_key_get_for_user(*, user: User, key_id: int) -> ApiKey:
+    return get_object_or_404(ApiKey, pk=key_id, owner=user)
 
 
 def fact_list_for_user(*, user: User) -> QuerySet[UserFact]:

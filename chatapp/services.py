@@ -1,5 +1,6 @@
 """Writes: conversations, turns, and the bridge that runs a turn on a node's engine."""
 
+import dataclasses
 import logging
 import re
 from typing import TYPE_CHECKING
@@ -11,15 +12,17 @@ from django.utils import timezone
 
 from chatapp import streams
 from chatapp.memory.assembly import turn_prompt, turn_record_prompt
+from chatapp.memory.base import ContextOverflow
 from chatapp.memory.registry import strategy_aliases
 from chatapp.models import Conversation, Message, Turn, UserFact
 from inference.chat_format import ChatMessage
 from inference.config import EngineConfig
+from inference.engine import PromptTooLong
 from inference.tokenizer import chat_format_for
 from router.services import NoHealthyNode, queue_for_node, session_node
 
 if TYPE_CHECKING:
-    from inference.engine import Engine, Generation
+    from inference.engine import Engine, Generation, Sampling
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +32,12 @@ _CONTROL_CHARS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 
 class TurnRejected(ValueError):
     """A message that will not be sent; the text says why, for the person who sent it."""
+
+
+class NodeBusy(TurnRejected):
+    """The session's node has a full queue: try again in `retry_after` seconds (nothing was stored)."""
+
+    retry_after = 2
 
 
 def check_message_text(text: str) -> str:
@@ -102,8 +111,11 @@ def fact_delete(*, fact: UserFact) -> None:
 _REMEMBER = re.compile(r"^\s*remember that\s+(?P<fact>.+)", re.IGNORECASE | re.DOTALL)
 
 
-def turn_start(*, conversation: Conversation, text: str) -> Turn:
-    """Store the user's message and its turn in one transaction; enqueue generation once both are durable."""
+def turn_start(*, conversation: Conversation, text: str, sampling: dict | None = None) -> Turn:
+    """Store the user's message and its turn in one transaction; enqueue generation once both are durable.
+
+    `sampling` overrides the node's defaults (fields of inference.engine.Sampling).
+    """
     text = check_message_text(text)
     check_message_fits(text)
     with transaction.atomic():
@@ -114,9 +126,16 @@ def turn_start(*, conversation: Conversation, text: str) -> Turn:
             node = session_node(session_key=session_key_for(conversation))
         except NoHealthyNode as exc:
             raise TurnRejected(str(exc)) from exc
+        unfinished = Turn.objects.filter(node=node.name).exclude(status__in=Turn.FINISHED).count()
+        if unfinished >= node.capacity * settings.CHAT_QUEUE_PER_SLOT:
+            raise NodeBusy(f"The model is busy ({unfinished} replies queued); try again in a few seconds.")
         user_message = Message.objects.create(conversation=conversation, role=Message.Role.USER, content=text)
         turn = Turn.objects.create(
-            conversation=conversation, user_message=user_message, node=node.name, strategy=conversation.strategy
+            conversation=conversation,
+            user_message=user_message,
+            node=node.name,
+            strategy=conversation.strategy,
+            sampling=sampling or {},
         )
         if remembered := _REMEMBER.match(text):  # "remember that ..." also saves a fact
             fact_save(owner=conversation.owner, text=remembered["fact"])
@@ -177,7 +196,7 @@ def turn_generate(*, turn_id: int, attempt: int, engine: "Engine", node: str) ->
     turn = _turn_claim(turn_id=turn_id, attempt=attempt, node=node)
     if turn is None:
         return
-    sampling = engine.default_sampling()
+    sampling = turn_sampling(turn, engine.default_sampling())
     try:
         prompt = turn_prompt(turn=turn, engine=engine, sampling=sampling)
         turn_record_prompt(turn=turn, prompt=prompt, detokenize=engine.chat_format.display)
@@ -188,11 +207,22 @@ def turn_generate(*, turn_id: int, attempt: int, engine: "Engine", node: str) ->
             on_text=lambda text: streams.publish(turn.stream_name, {"type": "token", "text": text}),
             should_stop=lambda: streams.cancel_requested(turn.stream_name),
         )
+    except (PromptTooLong, ContextOverflow) as exc:
+        _turn_fail(turn=turn, error=f"{type(exc).__name__}: {exc}", code="context_length_exceeded")
+        return
     except Exception as exc:
         logger.exception("turn %s failed on node %s", turn_id, node)
         _turn_fail(turn=turn, error=f"{type(exc).__name__}: {exc}")
         return
     _turn_finish(turn=turn, generation=generation)
+
+
+def turn_sampling(turn: Turn, defaults: "Sampling") -> "Sampling":
+    """The node's defaults with whatever this turn asked for (an API request's parameters)."""
+    asked = dict(turn.sampling)
+    if "stop" in asked:
+        asked["stop"] = tuple(asked["stop"])
+    return dataclasses.replace(defaults, **asked)
 
 
 def _turn_claim(*, turn_id: int, attempt: int, node: str) -> Turn | None:
@@ -251,12 +281,17 @@ def _turn_finish(*, turn: Turn, generation: "Generation") -> None:
         locked.decode_tokens_per_s = generation.decode_tokens_per_s
         locked.finished_at = timezone.now()
         locked.save(update_fields=_FINISH_FIELDS)
-    done = {"type": "done", "status": locked.status, "text": generation.text, "message_id": reply.pk if reply else None}
-    streams.publish(turn.stream_name, done)
+    usage = {
+        "prompt_tokens": generation.prompt_tokens,
+        "completion_tokens": len(generation.token_ids),
+        "cached_tokens": generation.cached_tokens,
+    }
+    done = {"type": "done", "status": locked.status, "finish_reason": generation.finish_reason, "usage": usage}
+    streams.publish(turn.stream_name, done | {"text": generation.text, "message_id": reply.pk if reply else None})
 
 
-def _turn_fail(*, turn: Turn, error: str) -> None:
+def _turn_fail(*, turn: Turn, error: str, code: str = "generation_failed") -> None:
     Turn.objects.filter(pk=turn.pk).exclude(status__in=Turn.FINISHED).update(
         status=Turn.Status.FAILED, error=error[:2000], finished_at=timezone.now()
     )
-    streams.publish(turn.stream_name, {"type": "error", "error": error})
+    streams.publish(turn.stream_name, {"type": "error", "error": error, "code": code})

@@ -138,6 +138,12 @@ CHAT_MEMORY_STRATEGIES = {
     },
 }
 CHAT_STREAM_TTL_SECONDS = env.int("CHAT_STREAM_TTL_SECONDS", default=3600)
+# Unfinished turns a node may hold per generation slot before new ones are refused ("busy, retry").
+CHAT_QUEUE_PER_SLOT = env.int("CHAT_QUEUE_PER_SLOT", default=4)
+# The model id the OpenAI-compatible API serves.
+CHAT_MODEL_ID = env.str("CHAT_MODEL_ID", default="gemma-3-270m")
+# How long an API request waits for its reply before giving up (and cancelling it).
+CHAT_API_TIMEOUT_SECONDS = env.int("CHAT_API_TIMEOUT_SECONDS", default=600)
 
 LOGGING = {
     "version": 1,

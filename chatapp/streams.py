@@ -1,10 +1,12 @@
 """Token streams: one Redis stream `turn:<public id>` per turn, written by the node, read by the web."""
 
 import json
+from collections.abc import AsyncIterator
 from functools import cache
 from typing import Any
 
 import redis
+import redis.asyncio as aioredis
 from django.conf import settings
 
 
@@ -51,3 +53,31 @@ def request_cancel(turn_key: str) -> None:
 
 def cancel_requested(turn_key: str) -> bool:
     return bool(client().exists(cancel_key(turn_key)))
+
+
+@cache
+def async_client() -> "aioredis.Redis":
+    return aioredis.Redis.from_url(settings.REDIS_URL, decode_responses=True)
+
+
+async def follow(turn_key: str, *, after: str = "0-0", block_ms: int = 15_000) -> AsyncIterator[tuple[str, dict]]:
+    """Yield (entry id, event) from the turn's stream as the node writes it, until its done or error event.
+
+    `after` resumes after an entry id already seen, so a reconnecting reader loses and repeats nothing.
+    """
+    key = stream_key(turn_key)
+    while True:
+        batches: list[tuple[str, list[tuple[str, dict[str, str]]]]] = await async_client().xread(  # type: ignore[assignment]
+            {key: after}, block=block_ms, count=256
+        )
+        for _, entries in batches or []:
+            for entry_id, fields in entries:
+                after = entry_id
+                event = json.loads(fields["event"])
+                yield entry_id, event
+                if event["type"] in {"done", "error"}:
+                    return
+
+
+async def request_cancel_async(turn_key: str) -> None:
+    await async_client().set(cancel_key(turn_key), "1", ex=settings.CHAT_STREAM_TTL_SECONDS)

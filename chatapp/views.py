@@ -9,6 +9,8 @@ from django_htmx.http import reswap, retarget
 from django_htmx.middleware import HtmxDetails
 
 from chatapp import selectors, services, streams
+from chatapp.api.keys import api_key_create
+from chatapp.api.keys import api_key_revoke as api_key_revoke_service
 from chatapp.forms import ConversationForm, FactForm, MessageForm
 from chatapp.memory.registry import strategy_aliases
 from chatapp.models import Conversation, Turn
@@ -177,3 +179,21 @@ def fact_update(request: HtmxHttpRequest, fact_id: int) -> HttpResponse:
 def fact_delete(request: HtmxHttpRequest, fact_id: int) -> HttpResponse:
     services.fact_delete(fact=selectors.fact_get_for_user(user=request.user, fact_id=fact_id))  # type: ignore[arg-type]
     return redirect("chat:fact_list")
+
+
+@login_required
+def api_key_list(request: HtmxHttpRequest) -> HttpResponse:
+    """The user's API keys; POST makes one and shows it this once."""
+    new_key = ""
+    if request.method == "POST":
+        _, new_key = api_key_create(owner=request.user, name=request.POST.get("name", ""))  # type: ignore[arg-type]
+    keys = selectors.api_key_list_for_user(user=request.user)  # type: ignore[arg-type]
+    return render(request, "chat/api_keys.html", {"keys": keys, "new_key": new_key})
+
+
+@require_POST
+@login_required
+def api_key_revoke(request: HtmxHttpRequest, key_id: int) -> HttpResponse:
+    api_key_revoke_service(key=selectors.api_key_get_for_user(user=request.user, key_id=key_id))  # type: ignore[arg-type]
+    messages.success(request, "Key revoked: it no longer works.")
+    return redirect("chat:api_key_list")

@@ -212,14 +212,8 @@ class BatchEngine:
         request.session = session
         request.cached_tokens = reuse
         request.pending = request.prompt[reuse:]
-        sampling = request.sampling
-        request.sampler = self.runtime.sampler(
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            repeat_penalty=sampling.repeat_penalty,
-            seed=sampling.seed,
-        )
-        request.text = TextAssembler(sampling.stop)
+        request.sampler = self.runtime.sampler(request.sampling)
+        request.text = TextAssembler(request.sampling.stop)
         session.busy = True
         self._running.append(request)
 

@@ -29,6 +29,8 @@ class Sampling:
     repeat_penalty: float
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
 
 @dataclass(frozen=True)

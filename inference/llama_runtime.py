@@ -14,6 +14,7 @@ from llama_cpp._internals import LlamaContext, LlamaModel, LlamaSampler
 from llama_cpp._logger import set_verbose
 
 from inference.config import EngineConfig
+from inference.engine import Sampling
 from inference.model_files import resolve_model_path
 
 
@@ -39,6 +40,9 @@ class LlamaRuntime:
         llama_cpp.llama_backend_init()
         model_params = llama_cpp.llama_model_default_params()
         model_params.n_gpu_layers = config.N_GPU_LAYERS
+        # llama.cpp's repacked CPU weights use GEMM kernels whose summation order depends on how many
+        # rows a batch has, so a session's greedy output could change with what it was batched with.
+        model_params.use_extra_bufts = not config.BATCH_INVARIANT
         self.model = LlamaModel(
             path_model=str(resolve_model_path(config.MODEL_PATH)), params=model_params, verbose=False
         )
@@ -104,11 +108,17 @@ class LlamaRuntime:
         if code != 0:
             raise DecodeError(f"llama_decode returned {code}")
 
-    def sampler(self, *, temperature: float, top_p: float, repeat_penalty: float, seed: int | None) -> LlamaSampler:
+    def sampler(self, sampling: Sampling) -> LlamaSampler:
+        """llama.cpp's own sampler chain for one sequence: penalties, then greedy or top-k/top-p/temperature."""
         chain = LlamaSampler()
         chain.add_penalties(
-            n_vocab=self.n_vocab, penalty_last_n=64, penalty_repeat=repeat_penalty, penalty_freq=0, penalty_present=0
+            n_vocab=self.n_vocab,
+            penalty_last_n=64,
+            penalty_repeat=sampling.repeat_penalty,
+            penalty_freq=sampling.frequency_penalty,
+            penalty_present=sampling.presence_penalty,
         )
+        temperature, top_p, seed = sampling.temperature, sampling.top_p, sampling.seed
         if temperature <= 0:
             chain.add_greedy()
         else:

@@ -1,9 +1,11 @@
 """Fixtures with real parts: Postgres (pytest-django's test database), Redis, the model, and a node process."""
 
 import os
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -114,6 +116,37 @@ def node_process(test_database: str) -> Iterator[str]:
     name = f"test-{uuid.uuid4().hex[:8]}"
     process = start_node(name, test_database)
     yield name
+    stop_node(process)
+
+
+@pytest.fixture(scope="session")
+def asgi_server(test_database: str) -> Iterator[str]:
+    """The web process as deployed (uvicorn, ASGI) on a free port, using the test database."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = os.environ | {"DATABASE_URL": f"postgres://postgres@127.0.0.1:5432/{test_database}"}
+    OUTPUT_DIR.mkdir(exist_ok=True)
+    with (OUTPUT_DIR / "web.log").open("w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", "chatapp.asgi:application", "--host", "127.0.0.1", "--port", str(port)],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            urllib.request.urlopen(f"{url}/login/", timeout=1)
+            break
+        except OSError:
+            if process.poll() is not None or time.monotonic() > deadline:
+                stop_node(process)
+                raise RuntimeError(f"uvicorn did not start:\n{(OUTPUT_DIR / 'web.log').read_text()[-3000:]}") from None
+            time.sleep(0.2)
+    yield url
     stop_node(process)
 
 

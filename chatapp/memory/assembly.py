@@ -53,7 +53,7 @@ def _context(turn: Turn, engine: "Engine", sampling: Sampling) -> MemoryContext:
         new_message=_stored(turn.user_message),
         budget=engine.n_ctx - sampling.max_tokens - fmt.overhead,
         count_tokens=fmt.count,
-        system_prompt=settings.CHAT_SYSTEM_PROMPT,
+        system_prompt=conversation.system_prompt or settings.CHAT_SYSTEM_PROMPT,
         facts=list(UserFact.objects.filter(owner_id=conversation.owner_id).values_list("text", flat=True)),
         summaries=[StoredSummary(s.text, s.through_message_id) for s in conversation.summaries.all()],
         previous_first_id=previous.trace.get("first_verbatim") if previous else None,

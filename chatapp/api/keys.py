@@ -1,0 +1,48 @@
+"""API keys: shown once, stored as a SHA-256 hash, found by prefix, compared in constant time."""
+
+import hashlib
+import hmac
+import secrets
+
+from django.contrib.auth.models import User
+from django.utils import timezone
+
+from chatapp.models import ApiKey
+
+KEY_PREFIX = "sk-chat-"
+PREFIX_LENGTH = 16
+
+
+_UNUSED_HASH = "0" * 64
+
+
+def _hash(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def api_key_create(*, owner: User, name: str) -> tuple[ApiKey, str]:
+    """A new key for `owner`; returns the row and the key itself, which is never stored or shown again."""
+    key = KEY_PREFIX + secrets.token_urlsafe(32)
+    row = ApiKey.objects.create(
+        owner=owner, name=name.strip()[:100] or "API key", prefix=key[:PREFIX_LENGTH], hashed=_hash(key)
+    )
+    return row, key
+
+
+def api_key_revoke(*, key: ApiKey) -> None:
+    if key.revoked_at is None:
+        key.revoked_at = timezone.now()
+        key.save(update_fields=["revoked_at"])
+
+
+def api_key_user(key: str) -> User | None:
+    """The user a live key belongs to, or None for a missing, wrong or revoked key."""
+    if not key.startswith(KEY_PREFIX) or len(key) > 200:
+        return None
+    row = ApiKey.objects.select_related("owner").filter(prefix=key[:PREFIX_LENGTH], revoked_at__isnull=True).first()
+    # Compare a hash even when no row matched, so a wrong key takes as long as a wrong prefix.
+    matches = hmac.compare_digest(row.hashed if row else _UNUSED_HASH, _hash(key))
+    if row is None or not matches or not row.owner.is_active:
+        return None
+    ApiKey.objects.filter(pk=row.pk).update(last_used_at=timezone.now())
+    return row.owner

@@ -1,0 +1,96 @@
+"""Which stored conversation an API request continues, storing the client's resent history once.
+
+A stateless client resends the whole history each turn. The conversation is
+found by session (X-Session-ID header, else the `user` field, else a hash of the
+system prompt and first user message). If the stored messages equal the
+resent ones, only the new user message is added; if the resent history extends
+the stored one, the missing messages are added; if it diverges (an edited or
+different history), a new conversation starts from it (a branch) and the
+session id points to that one from then on.
+"""
+
+from django.contrib.auth.models import User
+from django.db import transaction
+
+from chatapp import services
+from chatapp.api.errors import ApiError
+from chatapp.api.parsing import ChatRequest
+from chatapp.models import Conversation, Message, Turn
+from router.services import prefix_routing_key
+
+
+def api_session_key(request: ChatRequest, session_id: str | None) -> str:
+    if session_id:
+        return f"session:{session_id.strip()[:150]}"
+    if request.user:
+        return f"user:{request.user.strip()[:150]}"
+    first_user = next(text for role, text in request.history if role == "user")
+    return prefix_routing_key(request.system + "\x00" + first_user)
+
+
+def _normalised(role: str, text: str) -> tuple[str, str]:
+    """How a message is stored: user text is cleaned like any message, assistant text is kept as sent."""
+    if role == "user":
+        try:
+            return role, services.check_message_text(text)
+        except services.TurnRejected:
+            return role, ""
+    return role, text
+
+
+def api_turn_start(*, owner: User, request: ChatRequest, session_id: str | None, strategy: str | None) -> Turn:
+    """Find or branch the conversation, store what it lacks of the history, and start the turn."""
+    key = api_session_key(request, session_id)
+    *earlier, (_, new_text) = request.history
+    wanted = [_normalised(role, text) for role, text in earlier]
+    with transaction.atomic():
+        conversation = _conversation(owner, key, request.system, wanted)
+        if strategy:
+            try:
+                services.conversation_set_strategy(conversation=conversation, strategy=strategy)
+            except ValueError as exc:
+                raise ApiError(str(exc), param="X-Memory-Strategy", code="unknown_strategy") from exc
+    try:
+        return services.turn_start(conversation=conversation, text=new_text, sampling=request.sampling)
+    except services.NodeBusy as exc:
+        raise ApiError(
+            str(exc), status=429, type="rate_limit_error", headers={"Retry-After": str(exc.retry_after)}
+        ) from exc
+    except services.TurnRejected as exc:
+        code = "context_length_exceeded" if "context" in str(exc) else "invalid_message"
+        status = 409 if "still being written" in str(exc) else 400
+        raise ApiError(str(exc), status=status, param="messages", code=code) from exc
+
+
+def _conversation(owner: User, key: str, system: str, wanted: list[tuple[str, str]]) -> Conversation:
+    conversation = (
+        Conversation.objects.select_for_update()
+        .filter(owner=owner, source=Conversation.Source.API, api_session=key)
+        .order_by("-id")
+        .first()
+    )
+    if conversation is not None and conversation.system_prompt == system:
+        stored = list(
+            conversation.messages.filter(role__in=["user", "assistant"])
+            .order_by("created_at", "id")
+            .values_list("role", "content")
+        )
+        if wanted[: len(stored)] == stored:
+            _store(conversation, wanted[len(stored) :])
+            return conversation
+    title = next((text for role, text in wanted if role == "user"), "")
+    conversation = Conversation.objects.create(
+        owner=owner,
+        source=Conversation.Source.API,
+        api_session=key,
+        system_prompt=system,
+        title=(("Branch: " if conversation else "") + title)[:60],
+    )
+    _store(conversation, wanted)
+    return conversation
+
+
+def _store(conversation: Conversation, messages: list[tuple[str, str]]) -> None:
+    Message.objects.bulk_create(
+        [Message(conversation=conversation, role=role, content=text) for role, text in messages if text]
+    )

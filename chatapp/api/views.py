@@ -1,0 +1,157 @@
+"""`POST /v1/chat/completions` and `GET /v1/models`, shaped like OpenAI's API.
+
+The views are async: a reply is read from the turn's Redis stream as the node
+writes it, so a waiting request holds no thread. A streaming client that goes
+away cancels its turn (the node keeps the session's cache).
+"""
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.contrib.auth.models import User
+from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+from django.views.decorators.csrf import csrf_exempt
+
+from chatapp import streams
+from chatapp.api.errors import ApiError
+from chatapp.api.keys import api_key_user
+from chatapp.api.parsing import ChatRequest, parse_chat_request
+from chatapp.api.sessions import api_turn_start
+from chatapp.models import Turn
+
+FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "stop"}
+
+
+def _authenticate(request: HttpRequest) -> User:
+    header = request.headers.get("Authorization", "")
+    scheme, _, key = header.partition(" ")
+    user = api_key_user(key.strip()) if scheme.lower() == "bearer" else None
+    if user is None:
+        raise ApiError(
+            "Incorrect or missing API key. Send 'Authorization: Bearer <key>'; keys are made at /keys/.",
+            status=401,
+            type="authentication_error",
+            code="invalid_api_key",
+        )
+    return user
+
+
+@csrf_exempt
+async def models(request: HttpRequest) -> HttpResponse:
+    try:
+        if request.method != "GET":
+            raise ApiError("Use GET.", status=405)
+        await sync_to_async(_authenticate)(request)
+    except ApiError as exc:
+        return exc.response()
+    model = {"id": settings.CHAT_MODEL_ID, "object": "model", "created": 0, "owned_by": "chatapp"}
+    return JsonResponse({"object": "list", "data": [model]})
+
+
+@csrf_exempt
+async def chat_completions(request: HttpRequest) -> HttpResponse | StreamingHttpResponse:
+    try:
+        if request.method != "POST":
+            raise ApiError("Use POST.", status=405)
+        owner = await sync_to_async(_authenticate)(request)
+        parsed = parse_chat_request(request.body)
+        turn = await sync_to_async(api_turn_start)(
+            owner=owner,
+            request=parsed,
+            session_id=request.headers.get("X-Session-ID"),
+            strategy=request.headers.get("X-Memory-Strategy"),
+        )
+        if parsed.stream:
+            response = StreamingHttpResponse(_chunks(turn, parsed), content_type="text/event-stream")
+            response["Cache-Control"] = "no-cache"
+            response["X-Accel-Buffering"] = "no"
+            response["X-Session-ID"] = request.headers.get("X-Session-ID", "")
+            return response
+        return JsonResponse(await _completion(turn, parsed))
+    except ApiError as exc:
+        return exc.response()
+
+
+def _completion_id(turn: Turn) -> str:
+    return f"chatcmpl-{turn.public_id.hex}"
+
+
+def _usage(done: dict) -> dict:
+    usage = done["usage"]
+    return {
+        "prompt_tokens": usage["prompt_tokens"],
+        "completion_tokens": usage["completion_tokens"],
+        "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"],
+        "prompt_tokens_details": {"cached_tokens": usage["cached_tokens"]},
+    }
+
+
+def _failure(event: dict) -> ApiError:
+    if event.get("code") == "context_length_exceeded":
+        return ApiError(event["error"], param="messages", code="context_length_exceeded")
+    return ApiError(f"The model failed: {event['error']}", status=500, type="server_error", code=event.get("code"))
+
+
+async def _events(turn: Turn) -> AsyncIterator[dict]:
+    async with asyncio.timeout(settings.CHAT_API_TIMEOUT_SECONDS):
+        async for _, event in streams.follow(turn.stream_name):
+            yield event
+
+
+async def _completion(turn: Turn, parsed: ChatRequest) -> dict:
+    async for event in _events(turn):
+        if event["type"] == "error":
+            raise _failure(event)
+        if event["type"] == "done":
+            return {
+                "id": _completion_id(turn),
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": parsed.model,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": event["text"]},
+                        "finish_reason": FINISH_REASONS[event["finish_reason"]],
+                        "logprobs": None,
+                    }
+                ],
+                "usage": _usage(event),
+            }
+    raise ApiError("The reply did not finish.", status=500, type="server_error")
+
+
+async def _chunks(turn: Turn, parsed: ChatRequest) -> AsyncIterator[str]:
+    base = {
+        "id": _completion_id(turn),
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": parsed.model,
+    }
+
+    def chunk(delta: dict, finish: str | None = None, **extra) -> str:
+        choices = [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]
+        return f"data: {json.dumps(base | {'choices': choices} | extra)}\n\n"
+
+    finished = False
+    try:
+        yield chunk({"role": "assistant", "content": ""})
+        async for event in _events(turn):
+            if event["type"] == "token":
+                yield chunk({"content": event["text"]})
+            elif event["type"] == "error":
+                finished = True
+                yield f"data: {json.dumps({'error': _failure(event).response_body()})}\n\n"
+            elif event["type"] == "done":
+                finished = True
+                yield chunk({}, FINISH_REASONS[event["finish_reason"]])
+                if parsed.include_usage:
+                    yield f"data: {json.dumps(base | {'choices': [], 'usage': _usage(event)})}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        if not finished:  # the client went away (or we timed out): stop generating
+            await streams.request_cancel_async(turn.stream_name)

@@ -1,0 +1,107 @@
+"""Raw HTTP against the API: malformed bodies, auth failures and limits, each in OpenAI's error format."""
+
+import json
+
+import pytest
+from django.utils import timezone
+
+from chatapp.api.keys import api_key_create
+from chatapp.models import ApiKey, Message
+
+URL = "/v1/chat/completions"
+
+
+@pytest.fixture
+def auth(user) -> dict:
+    return {"HTTP_AUTHORIZATION": f"Bearer {api_key_create(owner=user, name='raw')[1]}"}
+
+
+def post(client, body, **headers):
+    data = body if isinstance(body, bytes | str) else json.dumps(body)
+    return client.post(URL, data=data, content_type="application/json", **headers)
+
+
+def error(response) -> dict:
+    body = response.json()
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "fragment"),
+    [
+        (b"{not json", None, "could not parse the JSON"),
+        ([1, 2], None, "must be a JSON object"),
+        ({"model": "gemma-3-270m"}, "messages", "non-empty array"),
+        ({"model": "gemma-3-270m", "messages": []}, "messages", "non-empty array"),
+        (
+            {"model": "gemma-3-270m", "messages": [{"role": "tool", "content": "x"}]},
+            "messages[0].role",
+            "must be one of",
+        ),
+        ({"model": "gemma-3-270m", "messages": [{"role": "assistant", "content": "x"}]}, "messages", "last message"),
+        (
+            {"model": "gemma-3-270m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages[0].content",
+            "text parts",
+        ),
+        ({"model": "gemma-3-270m", "messages": [{"role": "user", "content": "x"}], "n": 2}, "n", "n=1"),
+        (
+            {"model": "gemma-3-270m", "messages": [{"role": "user", "content": "x"}], "stop": ["a"] * 5},
+            "stop",
+            "up to 4",
+        ),
+        (
+            {"model": "gemma-3-270m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0},
+            "max_tokens",
+            "positive",
+        ),
+        (
+            {"model": "gemma-3-270m", "messages": [{"role": "user", "content": "x"}], "tools": []},
+            "tools",
+            "Unsupported",
+        ),
+    ],
+)
+def test_malformed_requests_are_400_saying_what_is_wrong(client, auth, body, param, fragment):
+    response = post(client, body, **auth)
+    assert response.status_code == 400
+    assert fragment in error(response)["message"] and error(response)["param"] == param
+    assert not Message.objects.exists()
+
+
+def test_missing_wrong_and_revoked_keys_are_401(client, user):
+    body = {"model": "gemma-3-270m", "messages": [{"role": "user", "content": "hi"}]}
+    assert post(client, body).status_code == 401
+    assert post(client, body, HTTP_AUTHORIZATION="Bearer sk-chat-0000000000000000").status_code == 401
+    row, key = api_key_create(owner=user, name="old")
+    ApiKey.objects.filter(pk=row.pk).update(revoked_at=timezone.now())
+    response = post(client, body, HTTP_AUTHORIZATION=f"Bearer {key}")
+    assert response.status_code == 401 and error(response)["type"] == "authentication_error"
+    assert len(row.hashed) == 64 and key not in str(ApiKey.objects.values_list().get(pk=row.pk))
+
+
+def test_a_prompt_longer_than_the_context_is_400_context_length_exceeded(client, auth, idle_node, settings):
+    settings.CHAT_MAX_MESSAGE_CHARS = 100_000
+    text = " ".join(f"w{i}" for i in range(5000))
+    response = post(client, {"model": "gemma-3-270m", "messages": [{"role": "user", "content": text}]}, **auth)
+    assert response.status_code == 400 and error(response)["code"] == "context_length_exceeded"
+
+
+def test_a_full_queue_is_429_with_retry_after(client, auth, idle_node, settings):
+    settings.CHAT_QUEUE_PER_SLOT = 0
+    response = post(client, {"model": "gemma-3-270m", "messages": [{"role": "user", "content": "hi"}]}, **auth)
+    assert response.status_code == 429 and response["Retry-After"] == "2"
+    assert error(response)["type"] == "rate_limit_error"
+    assert not Message.objects.filter(role="user", content="hi", conversation__turns__isnull=False).exists()
+
+
+def test_keys_are_made_and_revoked_in_the_ui(client, user):
+    client.force_login(user)
+    page = client.post("/keys/", {"name": "laptop"}).content.decode()
+    row = ApiKey.objects.get(owner=user)
+    assert f"{row.prefix}" in page and 'id="new-key"' in page
+    assert "sk-chat-" not in client.get("/keys/").content.decode().split("<ul")[1].replace(row.prefix, "")
+    client.post(f"/keys/{row.pk}/revoke/")
+    row.refresh_from_db()
+    assert row.revoked_at is not None
