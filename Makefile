@@ -8,7 +8,7 @@ PYTHON312 ?= $(shell for p in python3.12 $(HOME)/.pyenv/versions/3.12*/bin/pytho
 TEST_ENV := DEBUG=on SECRET_KEY=test-only REDIS_URL=redis://127.0.0.1:6379/15
 
 .DEFAULT_GOAL := help
-.PHONY: help setup run test lint typecheck pytest bench lock clean
+.PHONY: help setup run test lint typecheck pytest browser lock clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -24,7 +24,7 @@ $(BIN)/.installed: requirements.txt
 .env:
 	sed "s|^SECRET_KEY=.*|SECRET_KEY=$$($(PYTHON312) -c 'import secrets; print(secrets.token_urlsafe(50))')|" .env.example > .env
 
-setup: $(BIN)/.installed .env ## Install everything: venv, requirements, database, model, demo user
+setup: $(BIN)/.installed .env browser ## Install everything: venv, requirements, database, model, browser, demo user
 	$(BIN)/python manage.py create_database
 	$(BIN)/python manage.py migrate --no-input
 	$(BIN)/python manage.py collectstatic --no-input --verbosity 0
@@ -44,7 +44,10 @@ lint: $(BIN)/.installed ## ruff lint and format check
 typecheck: $(BIN)/.installed ## mypy with django-stubs
 	$(TEST_ENV) $(BIN)/mypy .
 
-pytest: $(BIN)/.installed ## The test suite (real Postgres, Redis, Celery worker and model)
+browser: ## Debian's Chromium, for the browser tests (Playwright drives it; nothing is downloaded by Playwright)
+	@command -v chromium >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
+
+pytest: $(BIN)/.installed browser ## The test suite (real Postgres, Redis, Celery worker, model and browser)
 	$(TEST_ENV) $(BIN)/python manage.py prepare_model
 	$(TEST_ENV) $(BIN)/python manage.py collectstatic --no-input --verbosity 0
 	$(TEST_ENV) $(BIN)/pytest

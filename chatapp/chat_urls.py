@@ -1,6 +1,6 @@
 from django.urls import path
 
-from chatapp import views
+from chatapp import sse, views
 
 app_name = "chat"
 urlpatterns = [
@@ -10,6 +10,8 @@ urlpatterns = [
     path("c/<int:conversation_id>/send/", views.turn_create, name="turn_create"),
     path("c/<int:conversation_id>/turns/<int:turn_id>/", views.turn_detail, name="turn_detail"),
     path("c/<int:conversation_id>/turns/<int:turn_id>/cancel/", views.turn_cancel, name="turn_cancel"),
+    path("c/<int:conversation_id>/turns/<int:turn_id>/retry/", views.turn_retry, name="turn_retry"),
+    path("c/<int:conversation_id>/turns/<int:turn_id>/events/", sse.turn_events, name="turn_events"),
     path("c/<int:conversation_id>/strategy/", views.conversation_strategy, name="conversation_strategy"),
     path("c/<int:conversation_id>/m/<int:message_id>/flags/", views.message_flags, name="message_flags"),
     path("keys/", views.api_key_list, name="api_key_list"),

@@ -116,6 +116,13 @@ class Turn(models.Model):
         return f"Turn {self.pk} ({self.status})"
 
     @property
+    def computed_tokens(self) -> int | None:
+        """Prompt tokens the node had to compute (not found in its cache)."""
+        if self.prompt_tokens is None or self.cached_tokens is None:
+            return None
+        return self.prompt_tokens - self.cached_tokens
+
+    @property
     def stream_name(self) -> str:
         return str(self.public_id)
 

@@ -187,6 +187,22 @@ def turn_cancel(*, turn: Turn) -> None:
         streams.request_cancel(turn.stream_name)
 
 
+def turn_retry(*, turn: Turn) -> None:
+    """Send a failed turn again, to its session's node, as a new attempt; its user message stays as it was."""
+    with transaction.atomic():
+        turn = Turn.objects.select_for_update().select_related("conversation").get(pk=turn.pk)
+        if turn.status != Turn.Status.FAILED:
+            raise TurnRejected("Only a failed reply can be retried.")
+        try:
+            node = session_node(session_key=session_key_for(turn.conversation))
+        except NoHealthyNode as exc:
+            raise TurnRejected(str(exc)) from exc
+        turn.node, turn.status, turn.error, turn.finished_at = node.name, Turn.Status.QUEUED, "", None
+        turn.attempt += 1
+        turn.save(update_fields=["node", "status", "error", "finished_at", "attempt"])
+        transaction.on_commit(lambda: _dispatch(turn))
+
+
 def turn_generate(*, turn_id: int, attempt: int, engine: "Engine", node: str) -> None:
     """Run one turn on this node's engine and store its reply; idempotent by turn id.
 

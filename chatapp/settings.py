@@ -56,6 +56,7 @@ TEMPLATES = [
                 "django.template.context_processors.request",
                 "django.contrib.auth.context_processors.auth",
                 "django.contrib.messages.context_processors.messages",
+                "chatapp.context_processors.engine_limits",
             ],
         },
     },
@@ -144,6 +145,8 @@ CHAT_QUEUE_PER_SLOT = env.int("CHAT_QUEUE_PER_SLOT", default=4)
 CHAT_MODEL_ID = env.str("CHAT_MODEL_ID", default="gemma-3-270m")
 # How long an API request waits for its reply before giving up (and cancelling it).
 CHAT_API_TIMEOUT_SECONDS = env.int("CHAT_API_TIMEOUT_SECONDS", default=600)
+# How long a browser's event stream waits on Redis between entries (a keep-alive is sent in between).
+CHAT_SSE_BLOCK_MS = env.int("CHAT_SSE_BLOCK_MS", default=15_000)
 
 LOGGING = {
     "version": 1,

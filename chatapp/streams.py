@@ -1,6 +1,9 @@
 """Token streams: one Redis stream `turn:<public id>` per turn, written by the node, read by the web."""
 
+import asyncio
 import json
+import re
+import weakref
 from collections.abc import AsyncIterator
 from functools import cache
 from typing import Any
@@ -23,6 +26,19 @@ def cancel_key(turn_key: str) -> str:
     return f"turn:{turn_key}:cancel"
 
 
+_ENTRY_ID = re.compile(r"^\d{1,20}-\d{1,20}$")
+
+
+def valid_entry_id(entry_id: str) -> bool:
+    return bool(_ENTRY_ID.match(entry_id))
+
+
+def entry_order(entry_id: str) -> tuple[int, int]:
+    """Stream entry ids ("<ms>-<seq>") in order; as strings "999-0" would sort after "1000-0"."""
+    ms, seq = entry_id.split("-")
+    return int(ms), int(seq)
+
+
 def publish(turn_key: str, event: dict[str, Any]) -> None:
     key = stream_key(turn_key)
     pipe = client().pipeline()
@@ -32,19 +48,31 @@ def publish(turn_key: str, event: dict[str, Any]) -> None:
 
 
 def read_all(turn_key: str) -> list[dict[str, Any]]:
+    return [event for _, event in _entries(turn_key)]
+
+
+def _entries(turn_key: str) -> list[tuple[str, dict[str, Any]]]:
     entries: list[tuple[str, dict[str, str]]] = client().xrange(stream_key(turn_key))  # type: ignore[assignment]
-    return [json.loads(fields["event"]) for _, fields in entries]
+    return [(entry_id, json.loads(fields["event"])) for entry_id, fields in entries]
 
 
-def text_so_far(turn_key: str) -> str:
-    """The reply's text so far: tokens since the latest start (a turn sent again restarts its text)."""
+def snapshot(turn_key: str) -> tuple[str, str]:
+    """The reply's text so far and the id of the last entry it includes, from one read, so that a reader
+    showing this text and resuming after that id loses and repeats nothing. A turn sent again (its node
+    died) restarts its text at its new start event."""
     text: list[str] = []
-    for event in read_all(turn_key):
+    last = "0-0"
+    for entry_id, event in _entries(turn_key):
+        last = entry_id
         if event["type"] == "start":
             text.clear()
         elif event["type"] == "token":
             text.append(event["text"])
-    return "".join(text)
+    return "".join(text), last
+
+
+def text_so_far(turn_key: str) -> str:
+    return snapshot(turn_key)[0]
 
 
 def request_cancel(turn_key: str) -> None:
@@ -55,9 +83,15 @@ def cancel_requested(turn_key: str) -> bool:
     return bool(client().exists(cancel_key(turn_key)))
 
 
-@cache
+_async_clients: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aioredis.Redis]" = weakref.WeakKeyDictionary()
+
+
 def async_client() -> "aioredis.Redis":
-    return aioredis.Redis.from_url(settings.REDIS_URL, decode_responses=True)
+    """An asyncio Redis client for the running event loop (its connections cannot cross loops)."""
+    loop = asyncio.get_running_loop()
+    if loop not in _async_clients:
+        _async_clients[loop] = aioredis.Redis.from_url(settings.REDIS_URL, decode_responses=True)
+    return _async_clients[loop]
 
 
 async def follow(turn_key: str, *, after: str = "0-0", block_ms: int = 15_000) -> AsyncIterator[tuple[str, dict]]:

@@ -51,11 +51,13 @@ def conversation_detail(request: HtmxHttpRequest, conversation_id: int) -> HttpR
 
 def _chat_context(conversation: Conversation, *, form: MessageForm | None = None, error: str = "") -> dict:
     pending = selectors.turn_in_progress(conversation=conversation)
+    pending_text, pending_after = streams.snapshot(pending.stream_name) if pending else ("", "0-0")
     return {
         "conversation": conversation,
         "chat_messages": selectors.message_list_for_conversation(conversation=conversation),
         "pending_turn": pending,
-        "pending_text": streams.text_so_far(pending.stream_name) if pending else "",
+        "pending_text": pending_text,
+        "pending_after": pending_after,
         "form": form or MessageForm(),
         "error": error,
         "strategies": strategy_aliases(),
@@ -79,7 +81,13 @@ def turn_create(request: HtmxHttpRequest, conversation_id: int) -> HttpResponse:
         return reswap(retarget(response, "#composer"), "outerHTML")
     if not request.htmx:
         return redirect("chat:conversation_detail", conversation_id=conversation.pk)
-    context = {"conversation": conversation, "turn": turn, "pending_text": "", "composer_oob": True}
+    context = {
+        "conversation": conversation,
+        "turn": turn,
+        "pending_text": "",
+        "pending_after": "0-0",
+        "composer_oob": True,
+    }
     context.update(form=MessageForm(), pending_turn=turn)
     return render(request, "chat/conversation_detail.html#exchange", context)
 
@@ -91,15 +99,28 @@ def turn_detail(request: HtmxHttpRequest, conversation_id: int, turn_id: int) ->
     turn = selectors.turn_get_for_user(user=request.user, conversation_id=conversation_id, turn_id=turn_id)  # type: ignore[arg-type]
     if not request.htmx:
         return redirect("chat:conversation_detail", conversation_id=conversation_id)
+    pending_text, pending_after = ("", "0-0") if turn.is_finished else streams.snapshot(turn.stream_name)
     context = {
         "conversation": turn.conversation,
         "turn": turn,
-        "pending_text": "" if turn.is_finished else streams.text_so_far(turn.stream_name),
+        "pending_text": pending_text,
+        "pending_after": pending_after,
         "form": MessageForm(),
         "pending_turn": None if turn.is_finished else turn,
         "composer_oob": turn.is_finished,
     }
     return render(request, "chat/conversation_detail.html#turn", context)
+
+
+@require_POST
+@login_required
+def turn_retry(request: HtmxHttpRequest, conversation_id: int, turn_id: int) -> HttpResponse:
+    turn = selectors.turn_get_for_user(user=request.user, conversation_id=conversation_id, turn_id=turn_id)  # type: ignore[arg-type]
+    try:
+        services.turn_retry(turn=turn)
+    except services.TurnRejected as exc:
+        messages.error(request, str(exc))
+    return redirect("chat:conversation_detail", conversation_id=conversation_id)
 
 
 @require_POST

@@ -77,3 +77,15 @@ def test_a_redelivered_task_does_not_store_a_second_reply(node):
     follow_up = wait_for_turn(services.turn_start(conversation=conversation, text="Hello again"))
     assert follow_up.status == Turn.Status.DONE
     assert conversation.messages.filter(role=Message.Role.ASSISTANT).count() == 2
+
+
+def test_a_failed_turn_can_be_retried_and_then_succeeds(node):
+    conversation = ConversationFactory.create(strategy="full")
+    big = MessageFactory.create(conversation=conversation, content=" ".join(f"w{j}" for j in range(3000)))
+    turn = wait_for_turn(services.turn_start(conversation=conversation, text="Hello?"))
+    assert turn.status == Turn.Status.FAILED
+    services.message_set_flags(message=big, excluded=True)  # the user drops the culprit from the prompt
+    services.turn_retry(turn=turn)
+    turn = wait_for_turn(turn)
+    assert turn.status == Turn.Status.DONE and turn.attempt == 1 and turn.error == ""
+    assert conversation.messages.filter(role=Message.Role.USER, content="Hello?").count() == 1

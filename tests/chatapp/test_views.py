@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 import pytest
+from asgiref.sync import async_to_sync
 from django.urls import reverse
 
 from chatapp import services
@@ -14,6 +15,11 @@ from tests.factories import ConversationFactory, UserFactory
 from tests.helpers import wait_for_turn
 
 HTMX = {"HTTP_HX_REQUEST": "true"}
+
+
+@async_to_sync
+async def read_stream(response) -> str:
+    return b"".join([chunk async for chunk in response.streaming_content]).decode()
 
 
 @pytest.mark.django_db(transaction=True)
@@ -33,14 +39,22 @@ def test_log_in_create_a_conversation_and_chat(client, node):
     page = response.content.decode()
     assert "Do you like &lt;b&gt;apples&lt;/b&gt;?" in page
     turn = Turn.objects.get(conversation=conversation)
-    assert f'hx-get="{reverse("chat:turn_detail", args=[conversation.pk, turn.pk])}"' in page
+    events_url = reverse("chat:turn_events", args=[conversation.pk, turn.pk])
+    assert f'data-events="{events_url}"' in page
     assert "disabled" in page  # the composer waits for the reply
 
     wait_for_turn(turn)
     response = client.get(reverse("chat:turn_detail", args=[conversation.pk, turn.pk]), **HTMX)
     fragment = response.content.decode()
-    assert "hx-get" not in fragment.split('id="composer"')[0]  # finished: no more polling
+    assert "data-events" not in fragment  # finished: nothing more to stream
     assert 'hx-swap-oob="outerHTML"' in fragment  # the composer comes back enabled
+
+    # The event stream replays from any entry: all of it from the start, nothing after its end.
+    events = read_stream(client.get(events_url + "?after=0-0"))
+    assert events.count("event: start") == 1 and events.count("event: done") == 1
+    last_id = events.split("id: ")[-1].split("\n")[0]
+    assert client.get(events_url, HTTP_LAST_EVENT_ID=last_id).status_code == 204
+    assert client.get(events_url + "?after=not-an-id").status_code == 400
 
     page = client.get(reverse("chat:conversation_detail", args=[conversation.pk])).content.decode()
     reply = Message.objects.get(conversation=conversation, role=Message.Role.ASSISTANT)
@@ -71,10 +85,15 @@ def test_another_users_conversation_is_404_on_every_url(client, user, other_user
     client.force_login(other_user)
     fact = UserFact.objects.create(owner=user, text="private fact")
     c, t, m = conversation.pk, turn.pk, turn.user_message_id
-    gets = [reverse("chat:conversation_detail", args=[c]), reverse("chat:turn_detail", args=[c, t])]
+    gets = [
+        reverse("chat:conversation_detail", args=[c]),
+        reverse("chat:turn_detail", args=[c, t]),
+        reverse("chat:turn_events", args=[c, t]),
+    ]
     posts = [
         reverse("chat:turn_create", args=[c]),
         reverse("chat:turn_cancel", args=[c, t]),
+        reverse("chat:turn_retry", args=[c, t]),
         reverse("chat:conversation_strategy", args=[c]),
         reverse("chat:message_flags", args=[c, m]),
         reverse("chat:fact_update", args=[fact.pk]),

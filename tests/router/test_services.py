@@ -94,4 +94,5 @@ def test_concurrent_first_turns_of_a_session_get_the_same_node(settings):
         thread.join()
     assert len(chosen) == 8 and len(set(chosen)) == 1
     assert SessionAssignment.objects.filter(session_key="racing").count() == 1
-    assert sum(Node.objects.filter(name__startswith="race").values_list("sessions", flat=True)) == 1
+    # Counted once. (A live test node re-registering by heartbeat may be among the candidates; fine.)
+    assert sum(Node.objects.values_list("sessions", flat=True)) == 1

@@ -1,0 +1,39 @@
+"""Server-Sent Events for the browser: a turn's Redis stream, resumable by entry id."""
+
+import json
+from collections.abc import AsyncIterator
+
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.http import Http404, HttpRequest, HttpResponse, StreamingHttpResponse
+
+from chatapp import selectors, streams
+from chatapp.models import Turn
+
+KEEPALIVE = ": keep-alive\n\n"
+
+
+async def turn_events(request: HttpRequest, conversation_id: int, turn_id: int) -> HttpResponse | StreamingHttpResponse:
+    """The turn's events as SSE. A reconnect (Last-Event-ID) or `?after=` resumes after that entry."""
+    user = await request.auser()
+    if not user.is_authenticated:
+        raise Http404
+    turn: Turn = await sync_to_async(selectors.turn_get_for_user)(
+        user=user, conversation_id=conversation_id, turn_id=turn_id
+    )
+    after = request.headers.get("Last-Event-ID") or request.GET.get("after") or "0-0"
+    if not streams.valid_entry_id(after):
+        return HttpResponse("after must be a stream entry id", status=400)
+    last = streams.snapshot(turn.stream_name)[1]
+    if turn.is_finished and streams.entry_order(last) <= streams.entry_order(after):
+        return HttpResponse(status=204)  # nothing more will come: tells EventSource to stop reconnecting
+    response = StreamingHttpResponse(_events(turn, after), content_type="text/event-stream")
+    response["Cache-Control"] = "no-cache"
+    response["X-Accel-Buffering"] = "no"
+    return response
+
+
+async def _events(turn: Turn, after: str) -> AsyncIterator[str]:
+    yield f"retry: 1000\n{KEEPALIVE}"
+    async for entry_id, event in streams.follow(turn.stream_name, after=after, block_ms=settings.CHAT_SSE_BLOCK_MS):
+        yield f"id: {entry_id}\nevent: {event['type']}\ndata: {json.dumps(event)}\n\n"
