@@ -198,3 +198,9 @@ def test_a_message_too_long_for_the_context_is_refused_before_it_is_stored(db, i
     with pytest.raises(services.TurnRejected, match="does not fit the model's 4,096-token context"):
         services.turn_start(conversation=conversation, text=" ".join(f"w{i}" for i in range(5000)))
     assert not Message.objects.exists()
+
+
+def test_pages_carry_a_content_security_policy(client, user):
+    client.force_login(user)
+    policy = client.get(reverse("chat:conversation_list"))["Content-Security-Policy"]
+    assert "script-src 'self'" in policy and "frame-ancestors 'none'" in policy and "unsafe-inline" not in policy
