@@ -1,28 +1,19 @@
 """Writes: conversations, turns, and the bridge that runs a turn on a node's engine."""
 
-import dataclasses
 import logging
 import re
-from typing import TYPE_CHECKING
 
 from django.conf import settings
 from django.contrib.auth.models import User
 from django.db import transaction
-from django.utils import timezone
 
 from chatapp import streams
-from chatapp.memory.assembly import turn_prompt, turn_record_prompt
-from chatapp.memory.base import ContextOverflow
 from chatapp.memory.registry import strategy_aliases
 from chatapp.models import Conversation, Message, Turn, UserFact
 from inference.chat_format import ChatMessage
 from inference.config import EngineConfig
-from inference.engine import PromptTooLong
 from inference.tokenizer import chat_format_for
 from router.services import NoHealthyNode, queue_for_node, session_node
-
-if TYPE_CHECKING:
-    from inference.engine import Engine, Generation, Sampling
 
 logger = logging.getLogger(__name__)
 
@@ -201,113 +192,3 @@ def turn_retry(*, turn: Turn) -> None:
         turn.attempt += 1
         turn.save(update_fields=["node", "status", "error", "finished_at", "attempt"])
         transaction.on_commit(lambda: _dispatch(turn))
-
-
-def turn_generate(*, turn_id: int, attempt: int, engine: "Engine", node: str) -> None:
-    """Run one turn on this node's engine and store its reply; idempotent by turn id.
-
-    A turn already finished, or sent again since this task was queued, is left
-    alone, and the reply is stored at most once.
-    """
-    turn = _turn_claim(turn_id=turn_id, attempt=attempt, node=node)
-    if turn is None:
-        return
-    sampling = turn_sampling(turn, engine.default_sampling())
-    try:
-        prompt = turn_prompt(turn=turn, engine=engine, sampling=sampling)
-        turn_record_prompt(turn=turn, prompt=prompt, detokenize=engine.chat_format.display)
-        generation = engine.generate(
-            session_key=session_key_for(turn.conversation),
-            prompt=prompt.tokens,
-            sampling=sampling,
-            on_text=lambda text: streams.publish(turn.stream_name, {"type": "token", "text": text}),
-            should_stop=lambda: streams.cancel_requested(turn.stream_name),
-        )
-    except (PromptTooLong, ContextOverflow) as exc:
-        _turn_fail(turn=turn, error=f"{type(exc).__name__}: {exc}", code="context_length_exceeded")
-        return
-    except Exception as exc:
-        logger.exception("turn %s failed on node %s", turn_id, node)
-        _turn_fail(turn=turn, error=f"{type(exc).__name__}: {exc}")
-        return
-    _turn_finish(turn=turn, generation=generation)
-
-
-def turn_sampling(turn: Turn, defaults: "Sampling") -> "Sampling":
-    """The node's defaults with whatever this turn asked for (an API request's parameters)."""
-    asked = dict(turn.sampling)
-    if "stop" in asked:
-        asked["stop"] = tuple(asked["stop"])
-    return dataclasses.replace(defaults, **asked)
-
-
-def _turn_claim(*, turn_id: int, attempt: int, node: str) -> Turn | None:
-    with transaction.atomic():
-        turn = Turn.objects.select_for_update().select_related("conversation").get(pk=turn_id)
-        if turn.is_finished or turn.attempt != attempt:
-            return None
-        turn.status = Turn.Status.RUNNING
-        turn.node = node
-        turn.started_at = timezone.now()
-        turn.queue_ms = (turn.started_at - turn.created_at).total_seconds() * 1000
-        turn.save(update_fields=["status", "node", "started_at", "queue_ms"])
-    streams.publish(turn.stream_name, {"type": "start", "node": node, "attempt": attempt})
-    return turn
-
-
-_FINISH_FIELDS = [
-    "assistant_message",
-    "status",
-    "finish_reason",
-    "prompt_tokens",
-    "cached_tokens",
-    "restored_from_ram",
-    "completion_tokens",
-    "queue_ms",
-    "prefill_ms",
-    "ttft_ms",
-    "decode_tokens_per_s",
-    "finished_at",
-]
-
-
-def _turn_finish(*, turn: Turn, generation: "Generation") -> None:
-    with transaction.atomic():
-        locked = Turn.objects.select_for_update().get(pk=turn.pk)
-        if locked.is_finished:
-            return
-        reply = None
-        if generation.token_ids:  # a reply stopped before its first token leaves no message
-            reply = Message.objects.create(
-                conversation_id=turn.conversation_id,
-                role=Message.Role.ASSISTANT,
-                content=generation.text,
-                token_ids=generation.token_ids,
-            )
-        locked.assistant_message = reply
-        locked.status = Turn.Status.CANCELLED if generation.finish_reason == "cancelled" else Turn.Status.DONE
-        locked.finish_reason = generation.finish_reason
-        locked.prompt_tokens = generation.prompt_tokens
-        locked.cached_tokens = generation.cached_tokens
-        locked.restored_from_ram = generation.restored
-        locked.queue_ms = (locked.queue_ms or 0) + generation.queue_ms
-        locked.completion_tokens = len(generation.token_ids)
-        locked.prefill_ms = generation.prefill_ms
-        locked.ttft_ms = generation.ttft_ms
-        locked.decode_tokens_per_s = generation.decode_tokens_per_s
-        locked.finished_at = timezone.now()
-        locked.save(update_fields=_FINISH_FIELDS)
-    usage = {
-        "prompt_tokens": generation.prompt_tokens,
-        "completion_tokens": len(generation.token_ids),
-        "cached_tokens": generation.cached_tokens,
-    }
-    done = {"type": "done", "status": locked.status, "finish_reason": generation.finish_reason, "usage": usage}
-    streams.publish(turn.stream_name, done | {"text": generation.text, "message_id": reply.pk if reply else None})
-
-
-def _turn_fail(*, turn: Turn, error: str, code: str = "generation_failed") -> None:
-    Turn.objects.filter(pk=turn.pk).exclude(status__in=Turn.FINISHED).update(
-        status=Turn.Status.FAILED, error=error[:2000], finished_at=timezone.now()
-    )
-    streams.publish(turn.stream_name, {"type": "error", "error": error, "code": code})

@@ -3,7 +3,7 @@
 from celery import Task
 
 from chatapp.celery import app
-from chatapp.services import turn_generate
+from chatapp.generation import turn_generate
 from inference.engine import get_engine
 
 
