@@ -75,6 +75,9 @@ AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
 ]
 LOGIN_URL = "login"
+# Failed logins (per username, and per client address) before logins are refused for a while.
+LOGIN_MAX_FAILURES = env.int("LOGIN_MAX_FAILURES", default=5)
+LOGIN_LOCKOUT_SECONDS = env.int("LOGIN_LOCKOUT_SECONDS", default=300)
 LOGIN_REDIRECT_URL = "chat:conversation_list"
 LOGOUT_REDIRECT_URL = "login"
 

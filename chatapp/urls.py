@@ -2,10 +2,12 @@ from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import include, path
 
+from chatapp.login_limits import RateLimitedLoginView
+
 urlpatterns = [
     path("admin/", admin.site.urls),
     path("v1/", include("chatapp.api.urls")),
-    path("login/", auth_views.LoginView.as_view(), name="login"),
+    path("login/", RateLimitedLoginView.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("", include("chatapp.chat_urls")),
 ]

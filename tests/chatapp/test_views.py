@@ -9,7 +9,7 @@ import pytest
 from asgiref.sync import async_to_sync
 from django.urls import reverse
 
-from chatapp import services
+from chatapp import services, streams
 from chatapp.models import Conversation, Message, Turn, UserFact
 from tests.factories import ConversationFactory, UserFactory
 from tests.helpers import wait_for_turn
@@ -204,3 +204,16 @@ def test_pages_carry_a_content_security_policy(client, user):
     client.force_login(user)
     policy = client.get(reverse("chat:conversation_list"))["Content-Security-Policy"]
     assert "script-src 'self'" in policy and "frame-ancestors 'none'" in policy and "unsafe-inline" not in policy
+
+
+def test_repeated_failed_logins_lock_the_account_for_a_while(client, user):
+    streams.client().delete(f"login-failures:user:{user.username}", "login-failures:addr:127.0.0.1")
+    for _ in range(5):
+        response = client.post(reverse("login"), {"username": user.username, "password": "wrong"})
+        assert "Please enter a correct username and password" in response.content.decode()
+    response = client.post(reverse("login"), {"username": user.username, "password": "correct horse battery staple"})
+    assert response.status_code == 200 and "Too many failed logins" in response.content.decode()
+    assert "_auth_user_id" not in client.session
+    streams.client().delete(f"login-failures:user:{user.username}", "login-failures:addr:127.0.0.1")
+    response = client.post(reverse("login"), {"username": user.username, "password": "correct horse battery staple"})
+    assert response.status_code == 302
