@@ -3,16 +3,7 @@ from django.contrib import admin
 from chatapp.api.keys import api_key_revoke
 from chatapp.models import ApiKey, Conversation, Message, Summary, Turn, UserFact
 
-TURN_MEASUREMENTS = (
-    "prompt_tokens",
-    "cached_tokens",
-    "restored_from_ram",
-    "completion_tokens",
-    "queue_ms",
-    "prefill_ms",
-    "ttft_ms",
-    "decode_tokens_per_s",
-)
+TURN_MEASUREMENTS = Turn.MEASUREMENTS
 
 
 class MessageInline(admin.TabularInline):

@@ -73,20 +73,7 @@ def _turn_claim(*, turn_id: int, attempt: int, node: str) -> Turn | None:
     return turn
 
 
-_FINISH_FIELDS = [
-    "assistant_message",
-    "status",
-    "finish_reason",
-    "prompt_tokens",
-    "cached_tokens",
-    "restored_from_ram",
-    "completion_tokens",
-    "queue_ms",
-    "prefill_ms",
-    "ttft_ms",
-    "decode_tokens_per_s",
-    "finished_at",
-]
+_FINISH_FIELDS = ["assistant_message", "status", "finish_reason", *Turn.MEASUREMENTS, "finished_at"]
 
 
 def _turn_finish(*, turn: Turn, generation: "Generation") -> None:

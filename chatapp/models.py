@@ -74,6 +74,17 @@ class Turn(models.Model):
         CANCELLED = "cancelled"
 
     FINISHED = (Status.DONE, Status.FAILED, Status.CANCELLED)
+    # What a finished turn records about its cost (the node writes them; the admin shows them).
+    MEASUREMENTS = (
+        "prompt_tokens",
+        "cached_tokens",
+        "restored_from_ram",
+        "completion_tokens",
+        "queue_ms",
+        "prefill_ms",
+        "ttft_ms",
+        "decode_tokens_per_s",
+    )
 
     # Names the turn's Redis stream: unlike the id, never reused (a restored or reset database reuses ids).
     public_id = models.UUIDField(default=uuid.uuid4, unique=True, editable=False)
