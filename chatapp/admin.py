@@ -67,6 +67,7 @@ class TurnAdmin(admin.ModelAdmin):
         "trace",
         "prompt_hash",
         "prompt_text",
+        "prompt_token_ids",
         "attempt",
         "created_at",
         "started_at",

@@ -26,6 +26,8 @@ class Conversation(models.Model):
     strategy = models.CharField(
         max_length=64, default=default_strategy, help_text="Memory-assembly strategy alias (CHAT_MEMORY_STRATEGIES)."
     )
+    # Options over the alias's configured OPTIONS, for this conversation only (a replay's budget sweep).
+    strategy_options = models.JSONField(default=dict, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True, db_index=True)
 
@@ -98,6 +100,7 @@ class Turn(models.Model):
     # Bumped each time the turn is sent again (its node died); a task for an older attempt does nothing.
     attempt = models.PositiveIntegerField(default=0)
     strategy = models.CharField(max_length=64, blank=True)
+    # The conversation's overrides when queued; the node records the full options it assembled with.
     strategy_options = models.JSONField(default=dict, blank=True)
     # Sampling this turn asked for (an API request's parameters) over the node's defaults.
     sampling = models.JSONField(default=dict, blank=True)
@@ -105,6 +108,8 @@ class Turn(models.Model):
     trace = models.JSONField(default=dict, blank=True)
     prompt_hash = models.CharField(max_length=64, blank=True)
     prompt_text = models.TextField(blank=True)
+    # The exact prompt tokens: how much of this prompt extended the previous one is measured from them.
+    prompt_token_ids = ArrayField(models.IntegerField(), null=True, blank=True)
     finish_reason = models.CharField(max_length=16, blank=True)
     error = models.TextField(blank=True)
     prompt_tokens = models.PositiveIntegerField(null=True, blank=True)

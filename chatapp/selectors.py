@@ -1,10 +1,11 @@
 """Reads: what a user may see, and the history a turn answers."""
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from django.contrib.auth.models import User
 from django.contrib.postgres.search import SearchQuery, SearchRank, SearchVector
+from django.db import connection
 from django.db.models import QuerySet
 from django.shortcuts import get_object_or_404
 
@@ -57,12 +58,17 @@ def turn_in_progress(*, conversation: Conversation) -> Turn | None:
     return conversation.turns.exclude(status__in=Turn.FINISHED).select_related("user_message").last()
 
 
+def _search_words(query: str) -> str:
+    """The query as an OR of its words longer than two letters (websearch syntax); "" when none."""
+    return " or ".join(w for w in re.findall(r"\w+", query.lower()) if len(w) > 2)
+
+
 def message_search(*, query: str, message_ids: Sequence[int]) -> list[int]:
     """Postgres full-text search: which of `message_ids` match any word of `query`, best first."""
-    words = [w for w in re.findall(r"\w+", query.lower()) if len(w) > 2]
+    words = _search_words(query)
     if not words or not message_ids:
         return []
-    search = SearchQuery(" or ".join(words), search_type="websearch", config="english")
+    search = SearchQuery(words, search_type="websearch", config="english")
     vector = SearchVector("content", config="english")
     return list(
         Message.objects.filter(pk__in=message_ids)
@@ -71,3 +77,18 @@ def message_search(*, query: str, message_ids: Sequence[int]) -> list[int]:
         .order_by("-rank", "id")
         .values_list("pk", flat=True)
     )
+
+
+def text_search(*, query: str, texts: Mapping[int, str]) -> list[int]:
+    """`message_search`'s ranking over texts that are not stored (a dry-run replay): matching ids, best first."""
+    words = _search_words(query)
+    if not words or not texts:
+        return []
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT id FROM unnest(%s::bigint[], %s::text[]) AS t(id, body),"
+            " LATERAL ts_rank(to_tsvector('english', body), websearch_to_tsquery('english', %s)) AS rank"
+            " WHERE rank > 0 ORDER BY rank DESC, id",
+            [list(texts), list(texts.values()), words],
+        )
+        return [row[0] for row in cursor.fetchall()]

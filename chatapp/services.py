@@ -5,10 +5,11 @@ import re
 
 from django.conf import settings
 from django.contrib.auth.models import User
+from django.core.exceptions import ImproperlyConfigured
 from django.db import transaction
 
 from chatapp import streams
-from chatapp.memory.registry import strategy_aliases
+from chatapp.memory.registry import strategy_aliases, strategy_get
 from chatapp.models import Conversation, Message, Turn, UserFact
 from inference.chat_format import ChatMessage
 from inference.config import EngineConfig
@@ -54,24 +55,34 @@ def check_message_fits(text: str) -> None:
         )
 
 
-def check_strategy(alias: str) -> str:
+def check_strategy(alias: str, options: dict | None = None) -> str:
+    """The alias, if it names a configured strategy that builds with `options`; else ValueError saying why."""
     if alias not in strategy_aliases():
         raise ValueError(f"Unknown memory strategy {alias!r}; choose one of: {', '.join(strategy_aliases())}.")
+    if options:
+        try:
+            strategy_get(alias, options)
+        except ImproperlyConfigured as exc:
+            raise ValueError(str(exc)) from exc
     return alias
 
 
-def conversation_create(*, owner: User, title: str = "", strategy: str = "") -> Conversation:
+def conversation_create(
+    *, owner: User, title: str = "", strategy: str = "", strategy_options: dict | None = None
+) -> Conversation:
     return Conversation.objects.create(
         owner=owner,
         title=_CONTROL_CHARS.sub("", title).strip()[:200],
-        strategy=check_strategy(strategy or settings.CHAT_DEFAULT_STRATEGY),
+        strategy=check_strategy(strategy or settings.CHAT_DEFAULT_STRATEGY, strategy_options),
+        strategy_options=strategy_options or {},
     )
 
 
 def conversation_set_strategy(*, conversation: Conversation, strategy: str) -> None:
-    """Switch how future turns are assembled; turns already run keep the alias they recorded."""
+    """Switch how future turns are assembled (with the alias's own options); turns already run keep theirs."""
     conversation.strategy = check_strategy(strategy)
-    conversation.save(update_fields=["strategy", "updated_at"])
+    conversation.strategy_options = {}
+    conversation.save(update_fields=["strategy", "strategy_options", "updated_at"])
 
 
 def message_set_flags(*, message: Message, pinned: bool | None = None, excluded: bool | None = None) -> None:
@@ -102,10 +113,13 @@ def fact_delete(*, fact: UserFact) -> None:
 _REMEMBER = re.compile(r"^\s*remember that\s+(?P<fact>.+)", re.IGNORECASE | re.DOTALL)
 
 
-def turn_start(*, conversation: Conversation, text: str, sampling: dict | None = None) -> Turn:
+def turn_start(
+    *, conversation: Conversation, text: str, sampling: dict | None = None, policy: str | None = None
+) -> Turn:
     """Store the user's message and its turn in one transaction; enqueue generation once both are durable.
 
-    `sampling` overrides the node's defaults (fields of inference.engine.Sampling).
+    `sampling` overrides the node's defaults (fields of inference.engine.Sampling); `policy` is a routing
+    policy alias other than the default (a replay comparing policies).
     """
     text = check_message_text(text)
     check_message_fits(text)
@@ -114,7 +128,7 @@ def turn_start(*, conversation: Conversation, text: str, sampling: dict | None =
         if conversation.turns.exclude(status__in=Turn.FINISHED).exists():
             raise TurnRejected("A reply is still being written; wait for it or stop it first.")
         try:
-            node = session_node(session_key=session_key_for(conversation))
+            node = session_node(session_key=session_key_for(conversation), policy=policy)
         except NoHealthyNode as exc:
             raise TurnRejected(str(exc)) from exc
         unfinished = Turn.objects.filter(node=node.name).exclude(status__in=Turn.FINISHED).count()
@@ -126,6 +140,7 @@ def turn_start(*, conversation: Conversation, text: str, sampling: dict | None =
             user_message=user_message,
             node=node.name,
             strategy=conversation.strategy,
+            strategy_options=conversation.strategy_options,
             sampling=sampling or {},
         )
         if remembered := _REMEMBER.match(text):  # "remember that ..." also saves a fact

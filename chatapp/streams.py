@@ -3,6 +3,7 @@
 import asyncio
 import json
 import re
+import time
 import weakref
 from collections.abc import AsyncIterator
 from functools import cache
@@ -73,6 +74,26 @@ def snapshot(turn_key: str) -> tuple[str, str]:
 
 def text_so_far(turn_key: str) -> str:
     return snapshot(turn_key)[0]
+
+
+def wait_finished(turn_key: str, *, timeout_s: float) -> tuple[float | None, dict[str, Any] | None]:
+    """Block until the turn's done or error event: (perf_counter time its first token arrived, that event);
+    the event is None if `timeout_s` passed first. For clients outside the web process (replays, load tests)."""
+    key, after, first_token_at = stream_key(turn_key), "0-0", None
+    deadline = time.monotonic() + timeout_s
+    while (left_ms := int((deadline - time.monotonic()) * 1000)) > 0:
+        batches: list = client().xread({key: after}, block=min(left_ms, 1000), count=256)  # type: ignore[assignment]
+        for _, entries in batches or []:
+            for entry_id, fields in entries:
+                after = entry_id
+                event = json.loads(fields["event"])
+                if event["type"] == "start":
+                    first_token_at = None  # sent again: its text restarts
+                elif event["type"] == "token" and first_token_at is None:
+                    first_token_at = time.perf_counter()
+                elif event["type"] in {"done", "error"}:
+                    return first_token_at, event
+    return first_token_at, None
 
 
 def request_cancel(turn_key: str) -> None:

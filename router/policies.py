@@ -33,6 +33,10 @@ def _hash(key: str) -> int:
 class RoutingPolicy:
     sticky = False  # keeps a session where its prefix is cached
 
+    def keeps(self, *, load: int, mean: float) -> bool:
+        """Whether a session stays on its healthy current node at this load, whatever the other nodes hold."""
+        return False
+
     def choose(self, *, session_key: str, current: str | None, nodes: list[NodeLoad]) -> Choice:
         """Pick from `nodes` (healthy, non-empty); `current` is the session's node if it is among them."""
         raise NotImplementedError
@@ -50,12 +54,13 @@ class StickyPolicy(RoutingPolicy):
         self.load_factor = load_factor
         self.replicas = replicas
 
+    def keeps(self, *, load: int, mean: float) -> bool:
+        return load <= self.load_factor * max(mean, 1)
+
     def choose(self, *, session_key: str, current: str | None, nodes: list[NodeLoad]) -> Choice:
         mean = sum(n.load for n in nodes) / len(nodes)
-        if current is not None:
-            load = next(n.load for n in nodes if n.name == current)
-            if load <= self.load_factor * max(mean, 1):
-                return Choice(current, "sticky")
+        if current is not None and self.keeps(load=next(n.load for n in nodes if n.name == current), mean=mean):
+            return Choice(current, "sticky")
         # The session joins a node: bound each node by c x the mean load after it joins.
         bound = math.ceil(self.load_factor * (sum(n.load for n in nodes) + 1) / len(nodes))
         loads = {n.name: n.load for n in nodes}

@@ -15,8 +15,9 @@ from django.utils.module_loading import import_string
 
 
 @cache
-def build(setting: str, alias: str) -> Any:
-    """The instance configured as `alias` in `settings.<setting>`; ImproperlyConfigured names what is wrong."""
+def build(setting: str, alias: str, **overrides: Any) -> Any:
+    """The instance configured as `alias` in `settings.<setting>`, with `overrides` over its OPTIONS;
+    ImproperlyConfigured names what is wrong."""
     configured = getattr(settings, setting)
     if alias not in configured:
         raise ImproperlyConfigured(f"{setting} has no alias {alias!r}; known: {', '.join(sorted(configured))}.")
@@ -26,7 +27,7 @@ def build(setting: str, alias: str) -> Any:
     except (KeyError, ImportError) as exc:
         raise ImproperlyConfigured(f"{setting}[{alias!r}]: cannot import BACKEND {entry.get('BACKEND')!r}.") from exc
     try:
-        return backend(**entry.get("OPTIONS", {}))
+        return backend(**(entry.get("OPTIONS", {}) | overrides))
     except (TypeError, ValueError) as exc:
         raise ImproperlyConfigured(f"{setting}[{alias!r}]: bad OPTIONS: {exc}") from exc
 

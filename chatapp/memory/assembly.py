@@ -63,7 +63,7 @@ def _context(turn: Turn, engine: "Engine", sampling: Sampling) -> MemoryContext:
 
 def turn_prompt(*, turn: Turn, engine: "Engine", sampling: Sampling) -> TurnPrompt:
     """Assemble the turn's prompt with its conversation's strategy; summarise dropped turns first if it asks."""
-    strategy = strategy_get(turn.strategy)
+    strategy = strategy_get(turn.strategy, turn.strategy_options)
     context = _context(turn, engine, sampling)
     assembled = strategy.assemble(context)
     summary_cost = None
@@ -105,8 +105,9 @@ def turn_record_prompt(*, turn: Turn, prompt: TurnPrompt, detokenize) -> None:
     trace = prompt.assembled.trace()
     if prompt.summary_cost:
         trace["summary_cost"] = prompt.summary_cost
-    turn.strategy_options = strategy_options(turn.strategy)
+    turn.strategy_options = strategy_options(turn.strategy, turn.strategy_options)
     turn.trace = trace
     turn.prompt_hash = prompt_hash(prompt.tokens)
     turn.prompt_text = detokenize(prompt.tokens)
-    turn.save(update_fields=["strategy_options", "trace", "prompt_hash", "prompt_text"])
+    turn.prompt_token_ids = prompt.tokens
+    turn.save(update_fields=["strategy_options", "trace", "prompt_hash", "prompt_text", "prompt_token_ids"])
