@@ -31,6 +31,7 @@ INSTALLED_APPS = [
     "django.contrib.postgres",
     "django_htmx",
     "chatapp",
+    "chatapp.experiments",
     "router",
 ]
 

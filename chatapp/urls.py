@@ -7,6 +7,7 @@ from chatapp.login_limits import RateLimitedLoginView
 urlpatterns = [
     path("admin/", admin.site.urls),
     path("v1/", include("chatapp.api.urls")),
+    path("experiments/", include("chatapp.experiments.urls")),
     path("login/", RateLimitedLoginView.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("", include("chatapp.chat_urls")),

@@ -209,3 +209,54 @@ def replay_on_llama_cpp_python(config: EngineConfig, sessions: list[list[str]], 
     wall = time.perf_counter() - start
     llm.close()
     return wall, generated
+
+
+def calibrate(
+    engine: BatchEngine, conversations: Sequence[list[str]], *, batch: int = 8, decode_tokens: int = 32
+) -> dict:
+    """The figures a cluster simulation needs about one node, measured on its engine: prefill speed, decode
+    step time alone and with `batch` sequences, slots, and how many tokens of prefix cache it holds."""
+    fmt, config = engine.chat_format, engine.config
+    prompt = fmt.render(long_conversation(fmt, conversations, 1024))
+    cold = engine.generate(session_key="calibrate-prefill", prompt=prompt, sampling=greedy(1))
+    kv_bytes_per_token = max(engine.runtime.seq_state_bytes(i) for i in range(config.MAX_RESIDENT_SESSIONS)) / len(
+        prompt
+    )
+    short = [fmt.render(as_chat(c[:1])) for c in conversations[:batch]]
+    one = engine.generate(session_key="calibrate-0", prompt=short[0], sampling=greedy(decode_tokens))
+    rates: list[float] = []
+
+    def decode(k: int) -> None:
+        generation = engine.generate(session_key=f"calibrate-{k}", prompt=short[k], sampling=greedy(decode_tokens))
+        rates.append(generation.decode_tokens_per_s)
+
+    _parallel([partial(decode, k) for k in range(batch)])
+    step_one = 1000 / one.decode_tokens_per_s
+    step_batch = 1000 / statistics.median(rates)
+    return {
+        "prefill_tokens_per_s": len(prompt) / (cold.prefill_ms / 1000),
+        "step_ms_one": step_one,
+        "step_ms_per_extra": max(0.0, (step_batch - step_one) / (batch - 1)),
+        "slots": config.MAX_CONCURRENT,
+        "kv_tokens": config.kv_cells + config.SPILL_BUDGET_MB * 2**20 / kv_bytes_per_token,
+        "kv_bytes_per_token": kv_bytes_per_token,
+        "n_threads": config.N_THREADS,
+    }
+
+
+def calibrate_colocated(config: EngineConfig, conversations: Sequence[list[str]], *, nodes: int) -> dict:
+    """`calibrate` in `nodes` processes at once, as that many nodes sharing one machine run: the median of
+    each figure. One process is the plain measurement."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(nodes) as pool:
+        results = pool.starmap(_calibrate_process, [(config, conversations)] * nodes)
+    return {key: type(value)(statistics.median(r[key] for r in results)) for key, value in results[0].items()}
+
+
+def _calibrate_process(config: EngineConfig, conversations: Sequence[list[str]]) -> dict:
+    engine = BatchEngine(config)
+    try:
+        return calibrate(engine, conversations)
+    finally:
+        engine.close()

@@ -139,6 +139,9 @@ class LlamaRuntime:
         if not llama_cpp.llama_memory_seq_rm(self.memory, seq_id, keep, -1):
             raise DecodeError(f"could not truncate sequence {seq_id} at {keep}")
 
+    def seq_state_bytes(self, seq_id: int) -> int:
+        return llama_cpp.llama_state_seq_get_size(self.ctx, seq_id)
+
     def seq_save(self, seq_id: int) -> ctypes.Array:
         """Copy a sequence's KV state into one host buffer (a single C memcpy, no Python loop)."""
         size = llama_cpp.llama_state_seq_get_size(self.ctx, seq_id)

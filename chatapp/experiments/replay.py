@@ -1,0 +1,302 @@
+"""Driving an experiment's sessions through one run's strategy.
+
+Live: each session becomes a real conversation, and each of its user messages
+goes through `services.turn_start` to the router and a node, exactly as a
+person's would; the replay waits on the turn's stream and records what it cost.
+Dry: the same strategy assembles the same history with the vocabulary-only
+tokenizer and no model; the recorded replies stand in for the model's, and
+`cached_tokens` is what a perfect cache would reuse.
+"""
+
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
+
+from django.conf import settings
+from django.contrib.auth.models import User
+from django.db import close_old_connections, connection
+from django.utils import timezone
+
+from chatapp import services, streams
+from chatapp.experiments.models import ReplayTurn, Run
+from chatapp.experiments.probes import recalled
+from chatapp.experiments.sources import ReplaySession
+from chatapp.memory.assembly import SUMMARY_TOKENS
+from chatapp.memory.base import ContextOverflow, MemoryContext, MemoryStrategy, StoredMessage, StoredSummary
+from chatapp.memory.registry import strategy_get
+from chatapp.models import Turn
+from chatapp.selectors import text_search
+from inference.config import EngineConfig
+from inference.session_cache import common_prefix
+from inference.tokenizer import chat_format_for
+
+Progress = Callable[[], None]
+TURN_TIMEOUT_S = 600
+BUSY_GIVE_UP_S = 300
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One `--strategies` entry: an alias and option overrides, `alias:key=value:key=value`."""
+
+    label: str
+    strategy: str
+    options: dict
+
+
+def parse_strategies(text: str) -> list[RunSpec]:
+    specs = []
+    for label in filter(None, (part.strip() for part in text.split(","))):
+        alias, *pairs = label.split(":")
+        options = {}
+        for pair in pairs:
+            key, sep, value = pair.partition("=")
+            if not sep or not key:
+                raise ValueError(f"{label!r}: options are written key=value, as in token_budget:history_tokens=512.")
+            options[key] = _option_value(value)
+        services.check_strategy(alias, options)
+        specs.append(RunSpec(label, alias, options))
+    if not specs:
+        raise ValueError("Name at least one strategy.")
+    return specs
+
+
+def _option_value(text: str) -> int | float | bool | str:
+    if text.lower() in {"true", "false"}:
+        return text.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _record(run: Run, session_index: int, session: ReplaySession, index: int, **fields) -> ReplayTurn:
+    """Store one turn's figures; a probe's question is scored for recall (live runs only: a dry run has no reply)."""
+    if session.probe and index == len(session.user_messages) - 1 and "turn" in fields:
+        fields |= {
+            "probe_distance": session.probe.distance,
+            "recalled": recalled(fields["reply"], session.probe.answer),
+        }
+    return ReplayTurn.objects.create(run=run, session=session_index, index=index, **fields)
+
+
+def _run_sessions(run: Run, sessions: Sequence[ReplaySession], worker: Callable, concurrency: int) -> None:
+    """Call `worker(index, session)` for every session, `concurrency` at a time (in this thread when 1);
+    the run's times are stored."""
+    run.started_at = timezone.now()
+    run.save(update_fields=["started_at"])
+    if concurrency <= 1:
+        for index, session in enumerate(sessions):
+            worker(index, session)
+    else:
+        _in_threads(list(enumerate(sessions)), worker, concurrency)
+    run.finished_at = timezone.now()
+    run.save(update_fields=["finished_at"])
+
+
+def _in_threads(items: list[tuple[int, ReplaySession]], worker: Callable, threads: int) -> None:
+    """Each thread takes the next item until none is left; the first error is raised here once all stop."""
+    work: queue.Queue[tuple[int, ReplaySession]] = queue.Queue()
+    for item in items:
+        work.put(item)
+    errors: list[BaseException] = []
+
+    def drain() -> None:
+        try:
+            while True:
+                try:
+                    index, session = work.get_nowait()
+                except queue.Empty:
+                    return
+                worker(index, session)
+        except BaseException as exc:  # raised in the caller's thread below
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    pool = [threading.Thread(target=drain, daemon=True) for _ in range(threads)]
+    for thread in pool:
+        thread.start()
+    for thread in pool:
+        thread.join()
+    if errors:
+        raise errors[0]
+
+
+# Live ---------------------------------------------------------------------------
+
+
+def replay_user() -> User:
+    """Replayed conversations belong to a user of their own, who cannot log in."""
+    user, created = User.objects.get_or_create(username="replay")
+    if created:
+        user.set_unusable_password()
+        user.save(update_fields=["password"])
+    return user
+
+
+def replay_live(
+    run: Run,
+    sessions: Sequence[ReplaySession],
+    *,
+    owner: User,
+    concurrency: int,
+    max_tokens: int,
+    seed: int,
+    progress: Progress = lambda: None,
+) -> None:
+    sampling = {"max_tokens": max_tokens, "temperature": 0.0, "seed": seed}
+    chat_format_for(EngineConfig().MODEL_PATH)  # load the vocabulary before the clock starts
+
+    def one_session(session_index: int, session: ReplaySession) -> None:
+        close_old_connections()
+        conversation = services.conversation_create(
+            owner=owner,
+            title=f"replay {run.experiment_id}/{run.pk}: {session.key}",
+            strategy=run.strategy,
+            strategy_options=run.strategy_options,
+        )
+        previous: list[int] | None = None  # the previous prompt and reply, as the node's cache holds them
+        for index, text in enumerate(session.user_messages):
+            fields, tokens = _live_turn(conversation, text, sampling, run.policy or None, previous)
+            _record(run, session_index, session, index, **fields)
+            previous = tokens
+            progress()
+
+    _run_sessions(run, sessions, one_session, concurrency)
+
+
+def _live_turn(conversation, text, sampling, policy, previous) -> tuple[dict, list[int] | None]:
+    submitted = time.perf_counter()
+    try:
+        turn = _start_when_not_busy(conversation, text, sampling, policy)
+    except services.TurnRejected as exc:
+        return {"status": "rejected", "error": str(exc)}, previous
+    first_token_at, event = streams.wait_finished(turn.stream_name, timeout_s=TURN_TIMEOUT_S)
+    finished = time.perf_counter()
+    if event is None:
+        services.turn_cancel(turn=turn)
+    turn.refresh_from_db()
+    reply = turn.assistant_message
+    prompt = turn.prompt_token_ids or []
+    reusable = common_prefix(previous, prompt) if previous else 0
+    fields = {
+        "turn": turn,
+        "status": turn.status if event else "timeout",
+        "node": turn.node,
+        "prompt_tokens": turn.prompt_tokens or 0,
+        "cached_tokens": turn.cached_tokens or 0,
+        "reusable_tokens": reusable,
+        "completion_tokens": turn.completion_tokens or 0,
+        "dropped_messages": len(turn.trace.get("dropped", [])),
+        "prefix_break": previous is not None and reusable < len(previous),
+        "ttft_ms": (first_token_at - submitted) * 1000 if first_token_at else None,
+        "queue_ms": turn.queue_ms,
+        "latency_ms": (finished - submitted) * 1000,
+        "reply": reply.content if reply else "",
+        "error": turn.error,
+    }
+    tokens = [*prompt, *(reply.token_ids or [])] if reply and turn.status == Turn.Status.DONE else previous
+    return fields, tokens
+
+
+def _start_when_not_busy(conversation, text, sampling, policy) -> Turn:
+    """`turn_start`, waiting out "busy, retry" answers (a replay offers more load than the nodes take)."""
+    give_up = time.monotonic() + BUSY_GIVE_UP_S
+    while True:
+        try:
+            return services.turn_start(conversation=conversation, text=text, sampling=sampling, policy=policy)
+        except services.NodeBusy as exc:
+            if time.monotonic() > give_up:
+                raise
+            time.sleep(exc.retry_after)
+
+
+# Dry ----------------------------------------------------------------------------
+
+
+def dry_turns(strategy: MemoryStrategy, session: ReplaySession, *, max_tokens: int) -> Iterator[dict]:
+    """Each turn's assembly figures (ReplayTurn fields), with the recorded replies standing in for the model's.
+
+    Summaries (strategies with `summarize`) cannot be written without the model: a stand-in of the
+    dropped text cut to the summary's token budget takes their place, so their size is right.
+    """
+    config = EngineConfig()
+    fmt = chat_format_for(config.MODEL_PATH)
+    budget = config.N_CTX - max_tokens - fmt.overhead
+    ids = itertools.count(1)
+    history: list[StoredMessage] = []
+    summaries: list[StoredSummary] = []
+    previous: list[int] | None = None
+    first_verbatim: int | None = None
+    for text, reply_text in zip(session.user_messages, session.replies, strict=True):
+        new = StoredMessage(next(ids), "user", text)
+        context = MemoryContext(
+            history=list(history),
+            new_message=new,
+            budget=budget,
+            count_tokens=fmt.count,
+            system_prompt=settings.CHAT_SYSTEM_PROMPT,
+            summaries=list(summaries),
+            previous_first_id=first_verbatim,
+            search=_searcher({m.id: m.text for m in history}),
+        )
+        try:
+            assembled = strategy.assemble(context)
+            if assembled.summarize_ids:
+                dropped = " ".join(m.text for m in history if m.id in assembled.summarize_ids)
+                stand_in = fmt.display(fmt.text_tokens(dropped)[:SUMMARY_TOKENS])
+                summaries.append(StoredSummary(stand_in, max(assembled.summarize_ids)))
+                assembled = strategy.assemble(replace(context, summaries=list(summaries)))
+        except ContextOverflow as exc:
+            history.append(new)
+            yield {"status": Turn.Status.FAILED, "error": str(exc), "reply": ""}
+            continue
+        prompt = fmt.render(assembled.messages())
+        reply_ids = tuple(fmt.text_tokens(reply_text))
+        reusable = common_prefix(previous, prompt) if previous else 0
+        yield {
+            "status": Turn.Status.DONE,
+            "prompt_tokens": len(prompt),
+            "cached_tokens": reusable,
+            "reusable_tokens": reusable,
+            "completion_tokens": len(reply_ids),
+            "dropped_messages": len(assembled.dropped_ids),
+            "prefix_break": previous is not None and reusable < len(previous),
+            "reply": reply_text,
+        }
+        history += [new, StoredMessage(next(ids), "assistant", reply_text, reply_ids)]
+        previous = [*prompt, *reply_ids]
+        first_verbatim = assembled.first_verbatim_id
+
+
+def _searcher(texts: dict[int, str]) -> Callable[[str, Sequence[int]], list[int]]:
+    """The live full-text search, over the dry run's unstored history."""
+
+    def search(query: str, ids: Sequence[int]) -> list[int]:
+        return text_search(query=query, texts={i: texts[i] for i in ids})
+
+    return search
+
+
+def replay_dry(
+    run: Run,
+    sessions: Sequence[ReplaySession],
+    *,
+    max_tokens: int,
+    progress: Progress = lambda: None,
+) -> None:
+    """Assembly costs without a model: `cached_tokens` is what a perfect cache would reuse."""
+    strategy = strategy_get(run.strategy, run.strategy_options)
+
+    def one_session(session_index: int, session: ReplaySession) -> None:
+        for index, fields in enumerate(dry_turns(strategy, session, max_tokens=max_tokens)):
+            _record(run, session_index, session, index, **fields)
+            progress()
+
+    _run_sessions(run, sessions, one_session, concurrency=1)

@@ -1,0 +1,90 @@
+"""The cluster simulator's invariants, on hand-made workloads (no model, no database)."""
+
+import math
+import random
+
+import pytest
+
+from chatapp.experiments.simulator import NodeProfile, SimSession, SimTurn, Simulation, sessions_from_profiles
+from router.policies import LeastLoadedPolicy, RandomPolicy, RoundRobinPolicy, StickyPolicy
+
+PROFILE = NodeProfile(prefill_tokens_per_s=300, step_ms_one=20, step_ms_per_extra=6, slots=4, kv_tokens=math.inf)
+
+
+def growing_session(key: str, turns: int, *, think_s: float = 1.0) -> SimSession:
+    """A conversation resent in full: each prompt extends the previous prompt and its reply."""
+    shape, prompt = [], 40
+    for t in range(turns):
+        shape.append(SimTurn(prompt, prompt - 30 if t else 0, 16, think_s if t else 0.0))
+        prompt += 16 + 30
+    return SimSession(key, tuple(shape), start_s=0.0)
+
+
+def random_sessions(count: int, seed: int = 0) -> list[SimSession]:
+    rng = random.Random(seed)
+    profiles = [
+        [
+            SimTurn(rng.randint(20, 400), rng.randint(0, 20), rng.randint(1, 64), rng.random() * 5)
+            for _ in range(rng.randint(1, 6))
+        ]
+        for _ in range(50)
+    ]
+    return sessions_from_profiles(profiles, count=count, rate_per_s=2.0, seed=seed)
+
+
+@pytest.mark.parametrize("policy", [StickyPolicy(), RoundRobinPolicy(), LeastLoadedPolicy(), RandomPolicy(seed=1)])
+@pytest.mark.parametrize("concurrency", [None, 3])
+def test_every_request_is_served_exactly_once(policy, concurrency):
+    sessions = random_sessions(300)
+    result = Simulation(profile=PROFILE, nodes=5, policy=policy, sessions=sessions, concurrency=concurrency).run()
+    turns = sum(len(s.turns) for s in sessions)
+    assert (
+        result.requests
+        == result.completed
+        == turns
+        == sum(result.node_turns)
+        == len(result.latency_s)
+        == len(result.ttft_s)
+    )
+    assert result.prompt_tokens == sum(t.prompt_tokens for s in sessions for t in s.turns)
+    assert all(ttft > 0 for ttft in result.ttft_s)
+    assert all(latency >= ttft for latency, ttft in zip(sorted(result.latency_s), sorted(result.ttft_s), strict=True))
+
+
+def test_one_session_per_node_with_unbounded_cache_reuses_everything_reusable():
+    sessions = [growing_session(f"s{k}", 6) for k in range(4)]
+    result = Simulation(profile=PROFILE, nodes=4, policy=StickyPolicy(), sessions=sessions).run()
+    assert result.reusable_tokens > 0
+    assert result.hit_tokens == result.reusable_tokens
+    assert result.summary()["reuse_captured"] == 1.0
+    assert result.node_sessions == [1, 1, 1, 1]
+
+
+def test_a_small_cache_and_a_cache_blind_policy_lose_hits():
+    sessions = [growing_session(f"s{k}", 6) for k in range(8)]
+    sticky = Simulation(profile=PROFILE, nodes=4, policy=StickyPolicy(), sessions=sessions).run()
+    spread = Simulation(profile=PROFILE, nodes=4, policy=RandomPolicy(seed=2), sessions=sessions).run()
+    small = NodeProfile(300, 20, 6, 4, kv_tokens=200)
+    squeezed = Simulation(profile=small, nodes=4, policy=StickyPolicy(), sessions=sessions).run()
+    # Sticky moves a session only while the cluster fills and one node passes the load bound.
+    assert sticky.hit_tokens >= 0.9 * sticky.reusable_tokens
+    assert spread.hit_tokens < 0.75 * sticky.hit_tokens
+    assert squeezed.hit_tokens < sticky.hit_tokens
+
+
+def test_latency_grows_with_offered_load():
+    rng = random.Random(3)
+    profiles = [[SimTurn(rng.randint(50, 300), 0, 32, 2.0) for _ in range(3)] for _ in range(40)]
+    p50s = []
+    for rate in (0.1, 1.0, 4.0, 16.0):
+        sessions = sessions_from_profiles(profiles, count=400, rate_per_s=rate, seed=7)
+        result = Simulation(profile=PROFILE, nodes=2, policy=StickyPolicy(), sessions=sessions).run()
+        p50s.append(result.summary()["latency_ms_p50"])
+    assert p50s == sorted(p50s) and p50s[-1] > 2 * p50s[0]
+
+
+def test_sticky_sessions_stay_put_within_the_load_bound():
+    sessions = random_sessions(2000)
+    result = Simulation(profile=PROFILE, nodes=10, policy=StickyPolicy(load_factor=1.25), sessions=sessions).run()
+    assert max(result.node_sessions) <= math.ceil(1.25 * 2000 / 10)
+    assert sum(result.node_sessions) == 2000
