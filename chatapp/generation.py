@@ -3,9 +3,11 @@ its prompt with the conversation's memory strategy, generate on this node's engi
 
 import dataclasses
 import logging
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from django.db import transaction
+from django.db import InterfaceError, OperationalError, connection, transaction
 from django.utils import timezone
 
 from chatapp import streams
@@ -13,12 +15,14 @@ from chatapp.memory.assembly import turn_prompt, turn_record_prompt
 from chatapp.memory.base import ContextOverflow
 from chatapp.models import Message, Turn
 from chatapp.services import session_key_for
+from chatapp.turn_events import end_event
 from inference.engine import PromptTooLong
 
 if TYPE_CHECKING:
     from inference.engine import Engine, Generation, Sampling
 
 logger = logging.getLogger(__name__)
+DATABASE_RETRY_S = 60
 
 
 def turn_generate(*, turn_id: int, attempt: int, engine: "Engine", node: str) -> None:
@@ -38,7 +42,7 @@ def turn_generate(*, turn_id: int, attempt: int, engine: "Engine", node: str) ->
             session_key=session_key_for(turn.conversation),
             prompt=prompt.tokens,
             sampling=sampling,
-            on_text=lambda text: streams.publish(turn.stream_name, {"type": "token", "text": text}),
+            on_text=lambda text: _stream_token(turn, text),
             should_stop=lambda: streams.cancel_requested(turn.stream_name),
         )
     except (PromptTooLong, ContextOverflow) as exc:
@@ -51,6 +55,10 @@ def turn_generate(*, turn_id: int, attempt: int, engine: "Engine", node: str) ->
     _turn_finish(turn=turn, generation=generation)
 
 
+def _stream_token(turn: Turn, text: str) -> None:
+    streams.publish_or_log(turn.stream_name, {"type": "token", "text": text})
+
+
 def turn_sampling(turn: Turn, defaults: "Sampling") -> "Sampling":
     """The node's defaults with whatever this turn asked for (an API request's parameters)."""
     asked = dict(turn.sampling)
@@ -59,7 +67,29 @@ def turn_sampling(turn: Turn, defaults: "Sampling") -> "Sampling":
     return dataclasses.replace(defaults, **asked)
 
 
+def _reconnecting[T](write: Callable[[], T]) -> T:
+    """Run a database step, reconnecting and trying again while Postgres is unreachable (it restarts) for up
+    to DATABASE_RETRY_S; each step is idempotent, so one that committed before its connection broke is a no-op."""
+    deadline = time.monotonic() + DATABASE_RETRY_S
+    while True:
+        try:
+            return write()
+        except (OperationalError, InterfaceError) as exc:
+            if time.monotonic() > deadline:
+                raise
+            logger.warning("database unreachable (%s); trying again", str(exc).strip().splitlines()[0])
+            connection.close()
+            time.sleep(1)
+
+
 def _turn_claim(*, turn_id: int, attempt: int, node: str) -> Turn | None:
+    turn = _reconnecting(lambda: _claim(turn_id=turn_id, attempt=attempt, node=node))
+    if turn is not None:
+        streams.publish_or_log(turn.stream_name, {"type": "start", "node": node, "attempt": attempt})
+    return turn
+
+
+def _claim(*, turn_id: int, attempt: int, node: str) -> Turn | None:
     with transaction.atomic():
         turn = Turn.objects.select_for_update().select_related("conversation").get(pk=turn_id)
         if turn.is_finished or turn.attempt != attempt:
@@ -69,7 +99,6 @@ def _turn_claim(*, turn_id: int, attempt: int, node: str) -> Turn | None:
         turn.started_at = timezone.now()
         turn.queue_ms = (turn.started_at - turn.created_at).total_seconds() * 1000
         turn.save(update_fields=["status", "node", "started_at", "queue_ms"])
-    streams.publish(turn.stream_name, {"type": "start", "node": node, "attempt": attempt})
     return turn
 
 
@@ -77,10 +106,17 @@ _FINISH_FIELDS = ["assistant_message", "status", "finish_reason", *Turn.MEASUREM
 
 
 def _turn_finish(*, turn: Turn, generation: "Generation") -> None:
+    stored = _reconnecting(lambda: _store_reply(turn=turn, generation=generation))
+    if stored is not None:
+        streams.publish_or_log(turn.stream_name, end_event(stored))
+
+
+def _store_reply(*, turn: Turn, generation: "Generation") -> Turn | None:
+    """Store the reply and the turn's measurements, once: a turn already finished is left as it is (None)."""
     with transaction.atomic():
         locked = Turn.objects.select_for_update().get(pk=turn.pk)
         if locked.is_finished:
-            return
+            return None
         reply = None
         if generation.token_ids:  # a reply stopped before its first token leaves no message
             reply = Message.objects.create(
@@ -102,17 +138,15 @@ def _turn_finish(*, turn: Turn, generation: "Generation") -> None:
         locked.decode_tokens_per_s = generation.decode_tokens_per_s
         locked.finished_at = timezone.now()
         locked.save(update_fields=_FINISH_FIELDS)
-    usage = {
-        "prompt_tokens": generation.prompt_tokens,
-        "completion_tokens": len(generation.token_ids),
-        "cached_tokens": generation.cached_tokens,
-    }
-    done = {"type": "done", "status": locked.status, "finish_reason": generation.finish_reason, "usage": usage}
-    streams.publish(turn.stream_name, done | {"text": generation.text, "message_id": reply.pk if reply else None})
+    return locked
 
 
 def _turn_fail(*, turn: Turn, error: str, code: str = "generation_failed") -> None:
-    Turn.objects.filter(pk=turn.pk).exclude(status__in=Turn.FINISHED).update(
-        status=Turn.Status.FAILED, error=error[:2000], finished_at=timezone.now()
+    _reconnecting(
+        lambda: (
+            Turn.objects.filter(pk=turn.pk)
+            .exclude(status__in=Turn.FINISHED)
+            .update(status=Turn.Status.FAILED, error=error[:2000], finished_at=timezone.now())
+        )
     )
-    streams.publish(turn.stream_name, {"type": "error", "error": error, "code": code})
+    streams.publish_or_log(turn.stream_name, {"type": "error", "error": error[:2000], "code": code})

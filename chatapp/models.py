@@ -5,6 +5,7 @@ from django.contrib.postgres.fields import ArrayField
 from django.contrib.postgres.indexes import GinIndex
 from django.contrib.postgres.search import SearchVector
 from django.db import models
+from django.utils import timezone
 
 
 def default_strategy() -> str:
@@ -122,6 +123,8 @@ class Turn(models.Model):
     ttft_ms = models.FloatField(null=True, blank=True)
     decode_tokens_per_s = models.FloatField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+    # When its current attempt was queued: a turn queued long ago on an idle node lost its task.
+    queued_at = models.DateTimeField(default=timezone.now)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
 

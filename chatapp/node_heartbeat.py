@@ -1,7 +1,9 @@
-"""A node's heartbeat thread: report the engine's stats to the router, and reap dead peers.
+"""A node's heartbeat thread: report the engine's stats to the router, reap dead peers, and recover lost turns.
 
 Every node reaps: the first live node to notice a peer's missed heartbeats
-marks it down and re-sends that peer's unfinished turns to healthy nodes.
+marks it down and re-sends that peer's unfinished turns to healthy nodes. An
+idle node also re-sends its own turns that stayed queued too long: their
+Celery task was lost with a broker that restarted.
 """
 
 import dataclasses
@@ -11,7 +13,7 @@ import threading
 from django.conf import settings
 from django.db import close_old_connections
 
-from chatapp.services import turns_redispatch
+from chatapp.services import turns_redispatch, turns_resend_lost
 from inference.engine import Engine
 from router.services import node_heartbeat, nodes_reap
 
@@ -34,11 +36,16 @@ class Heartbeat:
         self._thread.join(timeout=10)
 
     def beat(self) -> None:
-        node_heartbeat(name=self.name, capacity=self.capacity, stats=dataclasses.asdict(self.engine.stats()))
+        stats = self.engine.stats()
+        node_heartbeat(name=self.name, capacity=self.capacity, stats=dataclasses.asdict(stats))
         dead = nodes_reap()
         if dead:
             moved = turns_redispatch(from_nodes=dead)
             logger.warning("nodes %s missed their heartbeats: marked down, %d turns sent elsewhere", dead, moved)
+        if stats.running == 0 and stats.waiting == 0:  # idle, so nothing queued for it is merely waiting
+            resent = turns_resend_lost(node=self.name, older_than_s=settings.CHAT_LOST_TURN_SECONDS)
+            if resent:
+                logger.warning("node %s: %d queued turns had lost their task; sent again", self.name, resent)
 
     def _run(self) -> None:
         while not self._stop.wait(settings.ROUTER_HEARTBEAT_SECONDS):

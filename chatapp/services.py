@@ -2,11 +2,17 @@
 
 import logging
 import re
+from collections.abc import Callable
+from datetime import timedelta
 
 from django.conf import settings
 from django.contrib.auth.models import User
 from django.core.exceptions import ImproperlyConfigured
 from django.db import transaction
+from django.db.models import QuerySet
+from django.utils import timezone
+from kombu.exceptions import KombuError
+from redis.exceptions import RedisError
 
 from chatapp import streams
 from chatapp.memory.registry import strategy_aliases, strategy_get
@@ -29,12 +35,25 @@ class TurnRejected(ValueError):
 class NodeBusy(TurnRejected):
     """The session's node has a full queue: try again in `retry_after` seconds (nothing was stored)."""
 
+    status = 429
     retry_after = 2
+
+
+class NoNodeUp(TurnRejected):
+    """No inference node is healthy (all restarting, say): try again in `retry_after` seconds."""
+
+    status = 503
+    retry_after = 5
+
+
+def without_control_characters(text: str) -> str:
+    """The text with C0 controls (but tab and newlines) removed and unencodable characters replaced."""
+    return _CONTROL_CHARS.sub("", text.encode("utf-8", errors="replace").decode("utf-8"))
 
 
 def check_message_text(text: str) -> str:
     """Return the text as it will be stored, or raise `TurnRejected` saying what is wrong with it."""
-    text = _CONTROL_CHARS.sub("", text.encode("utf-8", errors="replace").decode("utf-8")).strip()
+    text = without_control_characters(text).strip()
     if not text:
         raise TurnRejected("The message is empty.")
     limit = settings.CHAT_MAX_MESSAGE_CHARS
@@ -72,7 +91,7 @@ def conversation_create(
 ) -> Conversation:
     return Conversation.objects.create(
         owner=owner,
-        title=_CONTROL_CHARS.sub("", title).strip()[:200],
+        title=without_control_characters(title).strip()[:200],
         strategy=check_strategy(strategy or settings.CHAT_DEFAULT_STRATEGY, strategy_options),
         strategy_options=strategy_options or {},
     )
@@ -130,7 +149,7 @@ def turn_start(
         try:
             node = session_node(session_key=session_key_for(conversation), policy=policy)
         except NoHealthyNode as exc:
-            raise TurnRejected(str(exc)) from exc
+            raise NoNodeUp(str(exc)) from exc
         unfinished = Turn.objects.filter(node=node.name).exclude(status__in=Turn.FINISHED).count()
         if unfinished >= node.capacity * settings.CHAT_QUEUE_PER_SLOT:
             raise NodeBusy(f"The model is busy ({unfinished} replies queued); try again in a few seconds.")
@@ -158,33 +177,50 @@ def session_key_for(conversation: Conversation) -> str:
 
 
 def _dispatch(turn: Turn) -> None:
+    """Queue the turn's task on its node. The turn is already stored: if the broker is unreachable, the
+    node finds the turn by its age (`turns_resend_lost`) once the broker is back."""
     from chatapp.tasks import generate
 
-    generate.apply_async(args=(turn.pk, turn.attempt), queue=queue_for_node(turn.node))
+    try:
+        generate.apply_async(args=(turn.pk, turn.attempt), queue=queue_for_node(turn.node))
+    except (KombuError, RedisError, OSError) as exc:
+        logger.warning("turn %s not queued yet (%s); its node will pick it up", turn.pk, exc)
 
 
 def turns_redispatch(*, from_nodes: list[str]) -> int:
     """Send the unfinished turns of dead nodes to healthy ones (a new attempt each); the number moved."""
-    moved = 0
-    for turn_id in (
-        Turn.objects.filter(node__in=from_nodes).exclude(status__in=Turn.FINISHED).values_list("pk", flat=True)
-    ):
+    unfinished = Turn.objects.filter(node__in=from_nodes).exclude(status__in=Turn.FINISHED)
+    return _resend(unfinished, still=lambda turn: not turn.is_finished and turn.node in from_nodes)
+
+
+def turns_resend_lost(*, node: str, older_than_s: float) -> int:
+    """Send again the turns queued on `node` longer than `older_than_s` while it is idle: their task is gone
+    (the broker restarted without persistence, or was down when the turn was stored). A late original
+    task for an older attempt does nothing."""
+    cutoff = timezone.now() - timedelta(seconds=older_than_s)
+    lost = Turn.objects.filter(node=node, status=Turn.Status.QUEUED, queued_at__lt=cutoff)
+    return _resend(lost, still=lambda turn: turn.status == Turn.Status.QUEUED and turn.queued_at < cutoff)
+
+
+def _resend(turns: QuerySet[Turn], *, still: Callable[[Turn], bool]) -> int:
+    """Route each turn again and queue it as a new attempt, if `still` holds for it under its row lock."""
+    sent = 0
+    for turn_id in turns.values_list("pk", flat=True):
         with transaction.atomic():
             turn = Turn.objects.select_for_update().select_related("conversation").get(pk=turn_id)
-            if turn.is_finished or turn.node not in from_nodes:
+            if not still(turn):
                 continue
             try:
                 node = session_node(session_key=session_key_for(turn.conversation))
             except NoHealthyNode:
-                logger.warning("turn %s stays on dead node %s: no healthy node", turn.pk, turn.node)
+                logger.warning("turn %s stays on node %s: no healthy node", turn.pk, turn.node)
                 continue
-            turn.node = node.name
+            turn.node, turn.status, turn.queued_at = node.name, Turn.Status.QUEUED, timezone.now()
             turn.attempt += 1
-            turn.status = Turn.Status.QUEUED
-            turn.save(update_fields=["node", "attempt", "status"])
+            turn.save(update_fields=["node", "attempt", "status", "queued_at"])
             transaction.on_commit(lambda turn=turn: _dispatch(turn))  # type: ignore[misc]
-            moved += 1
-    return moved
+            sent += 1
+    return sent
 
 
 def turn_cancel(*, turn: Turn) -> None:
@@ -202,8 +238,9 @@ def turn_retry(*, turn: Turn) -> None:
         try:
             node = session_node(session_key=session_key_for(turn.conversation))
         except NoHealthyNode as exc:
-            raise TurnRejected(str(exc)) from exc
+            raise NoNodeUp(str(exc)) from exc
         turn.node, turn.status, turn.error, turn.finished_at = node.name, Turn.Status.QUEUED, "", None
         turn.attempt += 1
-        turn.save(update_fields=["node", "status", "error", "finished_at", "attempt"])
+        turn.queued_at = timezone.now()
+        turn.save(update_fields=["node", "status", "error", "finished_at", "attempt", "queued_at"])
         transaction.on_commit(lambda: _dispatch(turn))

@@ -117,8 +117,10 @@ REDIS_URL = env.str("REDIS_URL", default="redis://127.0.0.1:6379/0")
 CELERY_BROKER_URL = REDIS_URL
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_TASK_IGNORE_RESULT = True
-CELERY_TASK_ACKS_LATE = True
-CELERY_TASK_REJECT_ON_WORKER_LOST = True
+# Tasks are acknowledged on receipt. A lost task is found by its turn instead (a dead node's turns are
+# sent again by its peers, a turn queued too long by its idle node). Late acks would also crash the worker
+# when Redis restarts: kombu then restores unacked messages over a connection already gone.
+CELERY_TASK_ACKS_LATE = False
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
@@ -139,6 +141,8 @@ ROUTER_POLICIES = {
     "random": {"BACKEND": "router.policies.RandomPolicy"},
 }
 CHAT_MAX_MESSAGE_CHARS = env.int("CHAT_MAX_MESSAGE_CHARS", default=8000)
+# Largest request body (an API client resends its whole history): 2 MiB; larger is refused with 413/400.
+DATA_UPLOAD_MAX_MEMORY_SIZE = 2 * 2**20
 CHAT_SYSTEM_PROMPT = env.str("CHAT_SYSTEM_PROMPT", default="")
 # Memory assembly: how much of a conversation is resent each turn (chatapp/memory). Every alias is
 # built at start-up (a system check); a conversation can switch alias at any time.
@@ -164,6 +168,8 @@ CHAT_MEMORY_STRATEGIES = {
 CHAT_STREAM_TTL_SECONDS = env.int("CHAT_STREAM_TTL_SECONDS", default=3600)
 # Unfinished turns a node may hold per generation slot before new ones are refused ("busy, retry").
 CHAT_QUEUE_PER_SLOT = env.int("CHAT_QUEUE_PER_SLOT", default=4)
+# A turn queued this long on an idle node lost its Celery task (a broker restart) and is sent again.
+CHAT_LOST_TURN_SECONDS = env.float("CHAT_LOST_TURN_SECONDS", default=20.0)
 # The model id the OpenAI-compatible API serves.
 CHAT_MODEL_ID = env.str("CHAT_MODEL_ID", default="gemma-3-270m")
 # How long an API request waits for its reply before giving up (and cancelling it).

@@ -3,12 +3,14 @@
 import json
 from collections.abc import AsyncIterator
 
+import redis
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.http import Http404, HttpRequest, HttpResponse, StreamingHttpResponse
 
 from chatapp import selectors, streams
 from chatapp.models import Turn
+from chatapp.turn_events import follow_turn
 
 KEEPALIVE = ": keep-alive\n\n"
 
@@ -24,7 +26,11 @@ async def turn_events(request: HttpRequest, conversation_id: int, turn_id: int) 
     after = request.headers.get("Last-Event-ID") or request.GET.get("after") or "0-0"
     if not streams.valid_entry_id(after):
         return HttpResponse("after must be a stream entry id", status=400)
-    last = streams.snapshot(turn.stream_name)[1]
+    try:
+        last = streams.snapshot(turn.stream_name)[1]
+    except redis.RedisError:
+        # The page shows the stored state instead (chat.js); the reply is still written and kept.
+        return HttpResponse("Live updates are unavailable for a moment.", status=503, headers={"Retry-After": "2"})
     if turn.is_finished and streams.entry_order(last) <= streams.entry_order(after):
         return HttpResponse(status=204)  # nothing more will come: tells EventSource to stop reconnecting
     response = StreamingHttpResponse(_events(turn, after), content_type="text/event-stream")
@@ -35,5 +41,8 @@ async def turn_events(request: HttpRequest, conversation_id: int, turn_id: int) 
 
 async def _events(turn: Turn, after: str) -> AsyncIterator[str]:
     yield f"retry: 1000\n{KEEPALIVE}"
-    async for entry_id, event in streams.follow(turn.stream_name, after=after, block_ms=settings.CHAT_SSE_BLOCK_MS):
-        yield f"id: {entry_id}\nevent: {event['type']}\ndata: {json.dumps(event)}\n\n"
+    async for entry_id, event in follow_turn(turn, after=after, block_ms=settings.CHAT_SSE_BLOCK_MS):
+        if event is None:
+            yield KEEPALIVE  # keeps proxies with idle timeouts from cutting a quiet stream
+        else:
+            yield f"id: {entry_id}\nevent: {event['type']}\ndata: {json.dumps(event)}\n\n"

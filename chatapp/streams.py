@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import logging
 import re
 import time
 import weakref
@@ -12,6 +13,8 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 from django.conf import settings
+
+logger = logging.getLogger(__name__)
 
 
 @cache
@@ -46,6 +49,18 @@ def publish(turn_key: str, event: dict[str, Any]) -> None:
     pipe.xadd(key, {"event": json.dumps(event)})
     pipe.expire(key, settings.CHAT_STREAM_TTL_SECONDS)
     pipe.execute()
+
+
+def publish_or_log(turn_key: str, event: dict[str, Any]) -> bool:
+    """`publish`, but a Redis outage only loses the live event, not the turn: the node goes on and
+    stores the reply in Postgres, where readers find it once the stream has nothing more for them."""
+    try:
+        publish(turn_key, event)
+    except redis.RedisError as exc:
+        level = logging.DEBUG if event.get("type") == "token" else logging.WARNING
+        logger.log(level, "turn %s: %s event not streamed (%s)", turn_key, event.get("type"), exc)
+        return False
+    return True
 
 
 def read_all(turn_key: str) -> list[dict[str, Any]]:
@@ -101,7 +116,11 @@ def request_cancel(turn_key: str) -> None:
 
 
 def cancel_requested(turn_key: str) -> bool:
-    return bool(client().exists(cancel_key(turn_key)))
+    """Whether the turn's reader asked it to stop; False while Redis is unreachable (it goes on)."""
+    try:
+        return bool(client().exists(cancel_key(turn_key)))
+    except redis.RedisError:
+        return False
 
 
 _async_clients: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aioredis.Redis]" = weakref.WeakKeyDictionary()
@@ -115,8 +134,12 @@ def async_client() -> "aioredis.Redis":
     return _async_clients[loop]
 
 
-async def follow(turn_key: str, *, after: str = "0-0", block_ms: int = 15_000) -> AsyncIterator[tuple[str, dict]]:
-    """Yield (entry id, event) from the turn's stream as the node writes it, until its done or error event.
+async def follow(
+    turn_key: str, *, after: str = "0-0", block_ms: int = 15_000
+) -> AsyncIterator[tuple[str, dict[str, Any] | None]]:
+    """Yield (entry id, event) from the turn's stream as the node writes it, until its done or error event,
+    and (after, None) each time `block_ms` passes with nothing new (a reader's chance to send a keep-alive
+    and to look for an end it missed, such as one written while Redis was restarting).
 
     `after` resumes after an entry id already seen, so a reconnecting reader loses and repeats nothing.
     """
@@ -125,6 +148,8 @@ async def follow(turn_key: str, *, after: str = "0-0", block_ms: int = 15_000) -
         batches: list[tuple[str, list[tuple[str, dict[str, str]]]]] = await async_client().xread(  # type: ignore[assignment]
             {key: after}, block=block_ms, count=256
         )
+        if not batches:
+            yield after, None
         for _, entries in batches or []:
             for entry_id, fields in entries:
                 after = entry_id

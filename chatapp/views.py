@@ -1,5 +1,7 @@
 """Browser views. Every lookup is scoped to the signed-in user: another user's ids are a 404."""
 
+from contextlib import suppress
+
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.http import HttpRequest, HttpResponse
@@ -7,6 +9,7 @@ from django.shortcuts import redirect, render
 from django.views.decorators.http import require_GET, require_POST
 from django_htmx.http import reswap, retarget
 from django_htmx.middleware import HtmxDetails
+from redis.exceptions import RedisError
 
 from chatapp import selectors, services, streams
 from chatapp.api.keys import api_key_create
@@ -51,7 +54,11 @@ def conversation_detail(request: HtmxHttpRequest, conversation_id: int) -> HttpR
 
 def _chat_context(conversation: Conversation, *, form: MessageForm | None = None, error: str = "") -> dict:
     pending = selectors.turn_in_progress(conversation=conversation)
-    pending_text, pending_after = streams.snapshot(pending.stream_name) if pending else ("", "0-0")
+    pending_text, pending_after = "", "0-0"
+    if pending:
+        # Without Redis the live text is missing for a moment; the page follows the stream once it is back.
+        with suppress(RedisError):
+            pending_text, pending_after = streams.snapshot(pending.stream_name)
     return {
         "conversation": conversation,
         "chat_messages": selectors.message_list_for_conversation(conversation=conversation),
@@ -69,14 +76,16 @@ def _chat_context(conversation: Conversation, *, form: MessageForm | None = None
 def turn_create(request: HtmxHttpRequest, conversation_id: int) -> HttpResponse:
     conversation = selectors.conversation_get_for_user(user=request.user, conversation_id=conversation_id)  # type: ignore[arg-type]
     form = MessageForm(request.POST)
-    text = form.cleaned_data["text"] if form.is_valid() else ""
     try:
-        turn = services.turn_start(conversation=conversation, text=text)
+        if not form.is_valid():
+            raise services.TurnRejected(" ".join(str(error) for error in form.errors["text"]))
+        turn = services.turn_start(conversation=conversation, text=form.cleaned_data["text"])
     except services.TurnRejected as exc:
         if not request.htmx:
             messages.error(request, str(exc))
             return redirect("chat:conversation_detail", conversation_id=conversation.pk)
         context = _chat_context(conversation, form=form, error=str(exc))
+        context["draft"] = services.without_control_characters(request.POST.get("text", ""))
         response = render(request, "chat/conversation_detail.html#composer", context, status=422)
         return reswap(retarget(response, "#composer"), "outerHTML")
     if not request.htmx:

@@ -1,6 +1,7 @@
 """Fixtures with real parts: Postgres (pytest-django's test database), Redis, the model, and a node process."""
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -13,7 +14,6 @@ from pathlib import Path
 import pytest
 from django.db import connection
 
-from chatapp.celery import app
 from inference.batch_engine import BatchEngine
 from inference.config import EngineConfig
 from inference.model_files import resolve_model_path
@@ -94,12 +94,13 @@ def stop_node(process: subprocess.Popen) -> None:
 
 
 def _wait_until_ready(name: str, process: subprocess.Popen, log_path: Path, timeout: float = 120) -> None:
+    """Until the node's Celery worker says it is consuming (`<name>@<host> ready.`), on whichever broker."""
+    ready = re.compile(rf"{re.escape(name)}@\S+ ready\.")
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"node {name} exited with {process.returncode}:\n{log_path.read_text()[-3000:]}")
-        replies = app.control.ping(timeout=0.5) or []
-        if any(host.startswith(f"{name}@") for reply in replies for host in reply):
+        if ready.search(log_path.read_text()):
             return
         time.sleep(0.5)
     raise RuntimeError(f"node {name} did not start within {timeout}s:\n{log_path.read_text()[-3000:]}")
@@ -119,15 +120,21 @@ def node_process(test_database: str) -> Iterator[str]:
     stop_node(process)
 
 
-@pytest.fixture(scope="session")
-def asgi_server(test_database: str) -> Iterator[str]:
-    """The web process as deployed (uvicorn, ASGI) on a free port, using the test database."""
+def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    env = os.environ | {"DATABASE_URL": f"postgres://postgres@127.0.0.1:5432/{test_database}"}
+        return probe.getsockname()[1]
+
+
+def start_web(
+    database: str, *, port: int | None = None, log_name: str = "web", env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen, str]:
+    """The web process as deployed (uvicorn, ASGI) on a free port, using the test database; (process, url)."""
+    port = port or free_port()
+    env = os.environ | (env or {}) | {"DATABASE_URL": f"postgres://postgres@127.0.0.1:5432/{database}"}
     OUTPUT_DIR.mkdir(exist_ok=True)
-    with (OUTPUT_DIR / "web.log").open("w") as log:
+    log_path = OUTPUT_DIR / f"{log_name}.log"
+    with log_path.open("a") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "uvicorn", "chatapp.asgi:application", "--host", "127.0.0.1", "--port", str(port)],
             cwd=ROOT,
@@ -140,12 +147,17 @@ def asgi_server(test_database: str) -> Iterator[str]:
     while True:
         try:
             urllib.request.urlopen(f"{url}/login/", timeout=1)
-            break
+            return process, url
         except OSError:
             if process.poll() is not None or time.monotonic() > deadline:
                 stop_node(process)
-                raise RuntimeError(f"uvicorn did not start:\n{(OUTPUT_DIR / 'web.log').read_text()[-3000:]}") from None
+                raise RuntimeError(f"uvicorn did not start:\n{log_path.read_text()[-3000:]}") from None
             time.sleep(0.2)
+
+
+@pytest.fixture(scope="session")
+def asgi_server(test_database: str) -> Iterator[str]:
+    process, url = start_web(test_database)
     yield url
     stop_node(process)
 

@@ -44,10 +44,14 @@ class ChatRequest:
 def parse_chat_request(body: bytes) -> ChatRequest:
     try:
         data = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: nested too deep
         raise ApiError("We could not parse the JSON body of your request: it must be a JSON object.") from exc
     if not isinstance(data, dict):
         raise ApiError("The request body must be a JSON object.")
+    try:
+        json.dumps(data, ensure_ascii=False).encode()
+    except UnicodeEncodeError as exc:  # JSON's \ud800-style escapes can name half a character
+        raise ApiError("The request contains invalid Unicode (an unpaired surrogate).") from exc
     unsupported = sorted(set(data) - SUPPORTED)
     if unsupported:
         raise ApiError(

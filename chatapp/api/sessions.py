@@ -21,11 +21,16 @@ from router.services import prefix_routing_key
 
 def api_session_key(request: ChatRequest, session_id: str | None) -> str:
     if session_id:
-        return f"session:{session_id.strip()[:150]}"
+        return session_id_key(session_id)
     if request.user:
         return f"user:{request.user.strip()[:150]}"
     first_user = next(text for role, text in request.history if role == "user")
     return prefix_routing_key(request.system + "\x00" + first_user)
+
+
+def session_id_key(session_id: str) -> str:
+    """How a conversation started with an X-Session-ID header is named in `Conversation.api_session`."""
+    return f"session:{session_id.strip()[:150]}"
 
 
 def _normalised(role: str, text: str) -> tuple[str, str]:
@@ -52,10 +57,9 @@ def api_turn_start(*, owner: User, request: ChatRequest, session_id: str | None,
                 raise ApiError(str(exc), param="X-Memory-Strategy", code="unknown_strategy") from exc
     try:
         return services.turn_start(conversation=conversation, text=new_text, sampling=request.sampling)
-    except services.NodeBusy as exc:
-        raise ApiError(
-            str(exc), status=429, type="rate_limit_error", headers={"Retry-After": str(exc.retry_after)}
-        ) from exc
+    except (services.NodeBusy, services.NoNodeUp) as exc:
+        kind = "rate_limit_error" if exc.status == 429 else "server_error"
+        raise ApiError(str(exc), status=exc.status, type=kind, headers={"Retry-After": str(exc.retry_after)}) from exc
     except services.TurnRejected as exc:
         code = "context_length_exceeded" if "context" in str(exc) else "invalid_message"
         status = 409 if "still being written" in str(exc) else 400

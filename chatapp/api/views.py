@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.contrib.auth.models import User
+from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
@@ -22,6 +23,7 @@ from chatapp.api.keys import api_key_user
 from chatapp.api.parsing import ChatRequest, parse_chat_request
 from chatapp.api.sessions import api_turn_start
 from chatapp.models import Turn
+from chatapp.turn_events import follow_turn
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "stop"}
 
@@ -58,7 +60,7 @@ async def chat_completions(request: HttpRequest) -> HttpResponse | StreamingHttp
         if request.method != "POST":
             raise ApiError("Use POST.", status=405)
         owner = await sync_to_async(_authenticate)(request)
-        parsed = parse_chat_request(request.body)
+        parsed = parse_chat_request(_body(request))
         turn = await sync_to_async(api_turn_start)(
             owner=owner,
             request=parsed,
@@ -74,6 +76,15 @@ async def chat_completions(request: HttpRequest) -> HttpResponse | StreamingHttp
         return JsonResponse(await _completion(turn, parsed))
     except ApiError as exc:
         return exc.response()
+
+
+def _body(request: HttpRequest) -> bytes:
+    try:
+        return request.body
+    except RequestDataTooBig as exc:
+        limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE // 2**20
+        message = f"The request body is over the {limit} MiB limit."
+        raise ApiError(message, status=413, code="request_too_large") from exc
 
 
 def _completion_id(turn: Turn) -> str:
@@ -98,8 +109,9 @@ def _failure(event: dict) -> ApiError:
 
 async def _events(turn: Turn) -> AsyncIterator[dict]:
     async with asyncio.timeout(settings.CHAT_API_TIMEOUT_SECONDS):
-        async for _, event in streams.follow(turn.stream_name):
-            yield event
+        async for _, event in follow_turn(turn, block_ms=settings.CHAT_SSE_BLOCK_MS):
+            if event is not None:
+                yield event
 
 
 async def _completion(turn: Turn, parsed: ChatRequest) -> dict:

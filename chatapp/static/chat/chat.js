@@ -16,6 +16,12 @@
       document.body.dataset.lastStreamed = text.textContent;  // what the stream showed, for checking
       htmx.ajax("GET", reply.dataset.final, { target: reply, swap: "outerHTML" });
     }
+    function showStored() {
+      // The server refused the stream (its live updates are down): show what is stored, which follows
+      // the stream again if the reply is still being written.
+      source.close();
+      setTimeout(function () { htmx.ajax("GET", reply.dataset.final, { target: reply, swap: "outerHTML" }); }, 2000);
+    }
     source.addEventListener("start", function (e) {
       var event = JSON.parse(e.data);
       if (event.attempt > 0) text.textContent = "";  // sent again to another node: its reply starts over
@@ -27,7 +33,9 @@
     });
     source.addEventListener("done", finish);
     source.addEventListener("error", function (e) {
-      if (e.data) finish();  // the turn failed; a network error (no data) just reconnects
+      if (e.data) finish();  // the turn failed
+      else if (source.readyState === EventSource.CLOSED) showStored();  // refused: not reconnecting
+      // otherwise a dropped connection: EventSource reconnects and resumes by itself
     });
   }
 
