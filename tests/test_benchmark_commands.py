@@ -1,9 +1,13 @@
 """The benchmark commands run end to end (tiny sizes) and print the figures the README reports."""
 
+import io
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+from django.core.management import call_command
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,3 +39,38 @@ def test_bench_router_prints_its_figures_per_policy():
     assert figures["sticky"]["p99_assign_ms"] > 0
     assert figures["sticky"]["affinity"] > figures["round_robin"]["affinity"]
     assert figures["sticky"]["max_mean_load"] >= 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_load_test_streams_sessions_through_the_web_and_two_nodes_and_audits_them():
+    out = io.StringIO()
+    call_command("load_test", "--sessions", "4", "--duration", "8", "--max-tokens", "8", "--json", stdout=out)
+    figures = json.loads(out.getvalue())
+    assert figures["requests_accepted"] > 0 and figures["errors"] == 0
+    assert figures["turns_stored"] == figures["turns_done"] == figures["requests_accepted"]
+    assert figures["replies_differing_from_stream"] == 0 and figures["unfinished"] == 0
+    assert figures["ttft_ms_p50"] > 0 and figures["turns_per_s"] > 0
+    assert set(figures["memory_mib"]) == {"web", "node-0", "node-1"}
+
+
+@pytest.mark.django_db
+def test_simulate_sweeps_cluster_sizes_and_policies(tmp_path):
+    calibration = tmp_path / "calibration.json"
+    calibration.write_text(
+        json.dumps(
+            {"prefill_tokens_per_s": 300, "step_ms_one": 20, "step_ms_per_extra": 6, "slots": 8, "kv_tokens": 50000}
+        )
+    )
+    out = io.StringIO()
+    call_command(
+        "simulate", "--calibration", str(calibration), "--nodes", "1,4", "--sessions-per-node", "30",
+        "--pool", "10", "--turns", "3", "--json", stdout=out,
+    )  # fmt: skip
+    rows = json.loads(out.getvalue())
+    assert {(r["policy"], r["nodes"]) for r in rows} == {
+        (p, n) for p in ("sticky", "round_robin", "least_loaded", "random") for n in (1, 4)
+    }
+    for row in rows:
+        assert row["requests"] == row["completed"] > row["sessions"]
+    sticky, spread = (next(r for r in rows if r["nodes"] == 4 and r["policy"] == p) for p in ("sticky", "round_robin"))
+    assert sticky["cache_hit_ratio"] > spread["cache_hit_ratio"]

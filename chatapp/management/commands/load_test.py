@@ -12,6 +12,7 @@ from pathlib import Path
 from django.conf import settings
 from django.contrib.auth.models import User
 from django.core.management.base import BaseCommand, CommandError
+from django.db import connection
 
 from chatapp import loadtest
 from chatapp.api.keys import api_key_create
@@ -117,13 +118,21 @@ class Command(BaseCommand):
 LOG_DIR = Path(settings.BASE_DIR) / "var" / "load-test"
 
 
+def _environment(extra: dict[str, str]) -> dict[str, str]:
+    """This process's environment, with the database it is using (a test database, say) and `extra`."""
+    db = connection.settings_dict
+    auth = db["USER"] + (f":{db['PASSWORD']}" if db["PASSWORD"] else "")
+    url = f"postgres://{auth}@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}"
+    return os.environ | extra | {"DATABASE_URL": url}
+
+
 def _spawn(args: list[str], env: dict[str, str], log_name: str) -> subprocess.Popen:
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     with (LOG_DIR / f"{log_name}.log").open("w") as log:
         return subprocess.Popen(  # noqa: S603 (our own manage.py, arguments built here)
             [sys.executable, "manage.py", *args],
             cwd=settings.BASE_DIR,
-            env=os.environ | env,
+            env=_environment(env),
             stdout=log,
             stderr=subprocess.STDOUT,
         )
@@ -135,7 +144,7 @@ def _spawn_web(port: int, env: dict[str, str]) -> subprocess.Popen:
         process = subprocess.Popen(  # noqa: S603 (our own web process, arguments built here)
             [sys.executable, "-m", "uvicorn", "chatapp.asgi:application", "--port", str(port), "--no-access-log"],
             cwd=settings.BASE_DIR,
-            env=os.environ | env,
+            env=_environment(env),
             stdout=log,
             stderr=subprocess.STDOUT,
         )

@@ -96,7 +96,7 @@ class Command(BaseCommand):
                 )
             )
         figures = json.loads(path.read_text())
-        return NodeProfile(**{k: figures[k] for k in NodeProfile.__dataclass_fields__})
+        return NodeProfile(**{k: figures[k] for k in NodeProfile.__dataclass_fields__ if k in figures})
 
     def _print(self, rows: list[dict], options, *, title: str) -> None:
         if options["json"]:
