@@ -92,9 +92,14 @@ STATIC_ROOT = BASE_DIR / "staticfiles"
 
 SESSION_COOKIE_SECURE = not DEBUG and env.bool("SECURE_COOKIES", default=True)
 CSRF_COOKIE_SECURE = SESSION_COOKIE_SECURE
-# HTTPS only, once served behind TLS (the same switch as secure cookies).
+# HTTPS only, once served behind TLS (the same switch as secure cookies). TLS ends at a proxy, which
+# must set X-Forwarded-Proto itself (never pass on a client's); plain http is redirected to https.
 SECURE_HSTS_SECONDS = 31_536_000 if SESSION_COOKIE_SECURE else 0
 SECURE_HSTS_INCLUDE_SUBDOMAINS = SESSION_COOKIE_SECURE
+SECURE_SSL_REDIRECT = SESSION_COOKIE_SECURE
+SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+# HSTS preloading binds the whole domain for months: the domain's owner decides, not this app.
+SILENCED_SYSTEM_CHECKS = ["security.W021"]
 SECURE_CONTENT_TYPE_NOSNIFF = True
 SECURE_REFERRER_POLICY = "same-origin"
 # Scripts, styles and connections from this origin only: the pages have no inline script or style.

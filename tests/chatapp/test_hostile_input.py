@@ -1,6 +1,9 @@
 """Hostile input through the API, the UI and the admin: refused or neutralised, said why, nothing lost."""
 
 import json
+import secrets
+import subprocess
+import sys
 
 import pytest
 from django.test import Client
@@ -183,3 +186,20 @@ def test_another_users_stream_id_is_404(client, user, other_user, idle_node):
     # Their own conversation with someone else's turn id, and the stream's name itself, give nothing away.
     assert client.get(reverse("chat:turn_events", args=[own.pk, turn.pk])).status_code == 404
     assert client.get(f"/c/{own.pk}/turns/{turn.stream_name}/events/").status_code == 404
+
+
+def test_outside_development_the_deploy_checks_pass_and_debug_is_off():
+    # The environment wins over .env: a production-like start with nothing but a secret set.
+    env = {"PATH": "/usr/bin:/bin", "SECRET_KEY": secrets.token_urlsafe(50), "SECURE_COOKIES": "on"}
+    check = subprocess.run(
+        [sys.executable, "manage.py", "check", "--deploy", "--fail-level", "WARNING"],
+        env={**env, "DEBUG": "off"},
+        capture_output=True,
+        text=True,
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+    no_secret = subprocess.run(
+        [sys.executable, "manage.py", "check"], env={"PATH": "/usr/bin:/bin", "SECRET_KEY": "", "DEBUG": "off"},
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert no_secret.returncode != 0 and "SECRET_KEY must be set" in no_secret.stderr
