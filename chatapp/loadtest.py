@@ -177,8 +177,9 @@ def summary(clients: list[ClientStats], seconds: float, memory: dict[str, list[f
         "busy_429": sum(c.busy for c in clients),
         "errors": sum(len(c.errors) for c in clients),
         "error_samples": [e for c in clients for e in c.errors][:5],
+        # Resident memory at the start, each quarter of the run, and its peak: flat, or bounded by the caches.
         "memory_mib": {
-            name: {"first": s[0], "after_warmup": s[min(2, len(s) - 1)], "last": s[-1], "max": max(s)}
+            name: [round(s[min(len(s) - 1, len(s) * q // 4)]) for q in range(5)] + [round(max(s))]
             for name, s in memory.items()
             if s
         },
