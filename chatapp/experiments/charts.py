@@ -62,12 +62,20 @@ def _hit_ratio(experiment: Experiment, ax: Axes) -> None:
 
 
 def _recall_budget(experiment: Experiment, ax: Axes) -> None:
-    runs = [r for r in experiment_report(experiment)["runs"] if r["recall"] is not None]
-    budgeted = sorted((r for r in runs if r["budget"]), key=lambda r: r["budget"])
-    ax.plot([r["budget"] for r in budgeted], [r["recall"] for r in budgeted], marker="o", label="budgeted runs")
-    for r in runs:
-        if not r["budget"]:
+    """One line per strategy alias over its runs' budgets; runs without a budget as horizontal lines."""
+    report = experiment_report(experiment)
+    aliases = dict(experiment.runs.values_list("pk", "strategy"))
+    budgeted: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    for r in report["runs"]:
+        if r["recall"] is None:
+            continue
+        if r["budget"]:
+            budgeted[aliases[r["run"]]].append((r["budget"], r["recall"]))
+        else:
             ax.axhline(r["recall"], linestyle="--", color="grey", label=f"{r['label']} (no budget)")
+    for alias, points in budgeted.items():
+        points.sort()
+        ax.plot([b for b, _ in points], [recall for _, recall in points], marker="o", label=alias)
     ax.set_xlabel("history budget, tokens")
     ax.set_ylabel("recall of planted facts")
     ax.set_ylim(0, 1.05)

@@ -29,24 +29,36 @@ COMPARED = ["cache_hit_ratio", "ttft_ms_p50", "ttft_ms_p99", "latency_ms_p50", "
 
 
 def measure_node(*, colocated: int = 1, concurrency: int = 1) -> dict:
-    """Calibrate on the real engine, configured as this machine's nodes are (EngineConfig's env), with
-    `colocated` nodes measuring at once on this machine; and, if a node is up, the dispatch time of a
-    turn through the real services with `concurrency` conversations at once."""
+    """A node's profile, measured. The engine alone (EngineConfig's env, `colocated` nodes measuring at
+    once on this machine) gives prefill speed, slots and cache size. If nodes are up, real turns through
+    the services give what serving adds: dispatch time, and decode step times as served (the node's
+    Python work, streaming and database writes share its cores), alone and with `concurrency`
+    conversations at once."""
     from inference.benchmark import calibrate_colocated
     from inference.config import EngineConfig
 
     conversations = list(chitchat_conversations(min_messages=8))[:200]
-    figures = calibrate_colocated(EngineConfig(), conversations, nodes=colocated)
-    return figures | {"colocated": colocated, "dispatch_ms": measure_dispatch(concurrency=concurrency)}
+    figures = calibrate_colocated(EngineConfig(), conversations, nodes=colocated) | {"colocated": colocated}
+    nodes = len(healthy_nodes())
+    if not nodes:
+        return figures | {"dispatch_ms": 0.0, "served": False}
+    alone, busy = measure_serving(concurrency=1), measure_serving(concurrency=concurrency)
+    per_node = concurrency / nodes
+    extra = (busy["step_ms"] - alone["step_ms"]) / (per_node - 1) if per_node > 1 else figures["step_ms_per_extra"]
+    return figures | {
+        "step_ms_one": alone["step_ms"],
+        "step_ms_per_extra": max(0.0, extra),
+        "dispatch_ms": busy["dispatch_ms"],
+        "served": True,
+    }
 
 
-def measure_dispatch(*, concurrency: int, turns: int = 6) -> float:
-    """The median time a turn spends outside the engine before its first token (routing, the database, the
-    Celery queue, assembly on the node), with `concurrency` conversations sending at once: the node's
-    Python work competes with its engine, so it grows with load. 0 with no node up (then left out)."""
-    if not healthy_nodes():
-        return 0.0
+def measure_serving(*, concurrency: int, turns: int = 6) -> dict:
+    """Real turns on the live nodes, `concurrency` conversations at once: the median time a turn spends
+    outside the engine before its first token (routing, the database, the Celery queue, assembly) and the
+    median decode step as the engine served it."""
     gaps: list[float] = []
+    steps: list[float] = []
 
     def converse(k: int) -> None:
         conversation = services.conversation_create(owner=replay_user(), title=f"calibration {k}", strategy="window")
@@ -55,12 +67,13 @@ def measure_dispatch(*, concurrency: int, turns: int = 6) -> float:
             turn = services.turn_start(
                 conversation=conversation,
                 text=f"Hello, this is message {n} of conversation {k}.",
-                sampling={"max_tokens": 16, "temperature": 0},
+                sampling={"max_tokens": 32, "temperature": 0},
             )
             first_token_at, _ = streams.wait_finished(turn.stream_name, timeout_s=120)
             turn.refresh_from_db()
-            if first_token_at and turn.ttft_ms is not None:
+            if first_token_at and turn.ttft_ms is not None and turn.decode_tokens_per_s:
                 gaps.append((first_token_at - submitted) * 1000 - turn.ttft_ms)
+                steps.append(1000 / turn.decode_tokens_per_s)
         connection.close()
 
     threads = [threading.Thread(target=converse, args=(k,)) for k in range(concurrency)]
@@ -68,7 +81,7 @@ def measure_dispatch(*, concurrency: int, turns: int = 6) -> float:
         thread.start()
     for thread in threads:
         thread.join()
-    return statistics.median(gaps) if gaps else 0.0
+    return {"dispatch_ms": statistics.median(gaps), "step_ms": statistics.median(steps)}
 
 
 def turn_profiles(*, strategy: str, count: int, turns: int, max_tokens: int, rng: random.Random) -> list[list[SimTurn]]:
