@@ -71,10 +71,14 @@ def private_stack(test_database):
     server = RedisServer()
     server.start()
     env = {"REDIS_URL": server.url, "CHAT_LOST_TURN_SECONDS": "3", "CHAT_SSE_BLOCK_MS": "1000"}
-    Node.objects.update(status=Node.Status.DOWN)  # only this stack's node takes turns
     name = f"private-{uuid.uuid4().hex[:6]}"
     node = start_node(name, test_database, **env)
     web, url = start_web(test_database, log_name="web-private", env=env)
+    # Only this stack's node takes turns: the suite's own node (on the shared Redis) is marked down once
+    # its heartbeat has re-registered it after the previous test's table flush, so it stays down.
+    wait_until(lambda: Node.objects.filter(name=name, status=Node.Status.UP).exists(), what="the node registered")
+    time.sleep(1)
+    Node.objects.exclude(name=name).update(status=Node.Status.DOWN)
     yield SimpleNamespace(redis=server, url=url, node=name)
     stop_node(web)
     stop_node(node)
