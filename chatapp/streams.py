@@ -51,7 +51,7 @@ def publish(turn_key: str, event: dict[str, Any]) -> None:
     pipe.execute()
 
 
-def publish_or_log(turn_key: str, event: dict[str, Any]) -> bool:
+def publish_or_log(turn_key: str, event: dict[str, Any]) -> None:
     """`publish`, but a Redis outage only loses the live event, not the turn: the node goes on and
     stores the reply in Postgres, where readers find it once the stream has nothing more for them."""
     try:
@@ -59,8 +59,6 @@ def publish_or_log(turn_key: str, event: dict[str, Any]) -> bool:
     except redis.RedisError as exc:
         level = logging.DEBUG if event.get("type") == "token" else logging.WARNING
         logger.log(level, "turn %s: %s event not streamed (%s)", turn_key, event.get("type"), exc)
-        return False
-    return True
 
 
 def read_all(turn_key: str) -> list[dict[str, Any]]:

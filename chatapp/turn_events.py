@@ -14,10 +14,10 @@ from chatapp.models import Turn
 RECONNECT_S = 1.0
 
 
-def end_event(turn: Turn, *, code: str = "generation_failed") -> dict[str, Any]:
+def end_event(turn: Turn) -> dict[str, Any]:
     """The done or error event for a finished turn, from what is stored."""
     if turn.status == Turn.Status.FAILED:
-        return {"type": "error", "error": turn.error, "code": code}
+        return {"type": "error", "error": turn.error, "code": "generation_failed"}
     reply = turn.assistant_message
     return {
         "type": "done",

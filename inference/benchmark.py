@@ -53,7 +53,7 @@ def long_conversation(fmt: GemmaChatFormat, conversations: Sequence[list[str]], 
     return as_chat(texts)
 
 
-def _parallel(calls: Sequence[Callable[[], object]]) -> float:
+def run_parallel(calls: Sequence[Callable[[], object]]) -> float:
     """Run the calls in threads at once; the wall time in seconds."""
     threads = [threading.Thread(target=call) for call in calls]
     start = time.perf_counter()
@@ -131,7 +131,7 @@ class NodeBenchmark:
             def one(k: int) -> None:
                 results.append(self._generate(f"{tag}-{k}", prompts[k], s.decode_tokens))
 
-            wall = _parallel([partial(one, k) for k in range(n)])
+            wall = run_parallel([partial(one, k) for k in range(n)])
             return sum(len(r.token_ids) for r in results) / wall
 
         single = statistics.median(throughput(1, f"single-{r}") for r in range(2))
@@ -157,7 +157,7 @@ class NodeBenchmark:
                 with lock:
                     generated[0] += len(reply.token_ids)
 
-        ours = _parallel([partial(one_session, k, t) for k, t in enumerate(sessions)])
+        ours = run_parallel([partial(one_session, k, t) for k, t in enumerate(sessions)])
         results = {"replay_s": ours, "replay_tokens": float(generated[0])}
         if s.baseline:
             s.progress("replay on llama-cpp-python's Llama with LlamaRAMCache, requests serialised")
@@ -230,7 +230,7 @@ def calibrate(
         generation = engine.generate(session_key=f"calibrate-{k}", prompt=short[k], sampling=greedy(decode_tokens))
         rates.append(generation.decode_tokens_per_s)
 
-    _parallel([partial(decode, k) for k in range(batch)])
+    run_parallel([partial(decode, k) for k in range(batch)])
     step_one = 1000 / one.decode_tokens_per_s
     step_batch = 1000 / statistics.median(rates)
     return {

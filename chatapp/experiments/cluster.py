@@ -3,9 +3,9 @@ check of the simulation against a live replay."""
 
 import random
 import statistics
-import threading
 import time
 from collections import defaultdict
+from functools import partial
 
 from django.db import connection
 
@@ -23,6 +23,7 @@ from chatapp.experiments.simulator import (
 )
 from chatapp.experiments.sources import chitchat_sessions
 from chatapp.memory.registry import strategy_get
+from inference.benchmark import run_parallel
 from router.services import healthy_nodes, policy_get
 
 COMPARED = ["cache_hit_ratio", "ttft_ms_p50", "ttft_ms_p99", "latency_ms_p50", "turns_per_s"]
@@ -76,11 +77,7 @@ def measure_serving(*, concurrency: int, turns: int = 6) -> dict:
                 steps.append(1000 / turn.decode_tokens_per_s)
         connection.close()
 
-    threads = [threading.Thread(target=converse, args=(k,)) for k in range(concurrency)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    run_parallel([partial(converse, k) for k in range(concurrency)])
     return {"dispatch_ms": statistics.median(gaps), "step_ms": statistics.median(steps)}
 
 

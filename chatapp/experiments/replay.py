@@ -9,10 +9,9 @@ tokenizer and no model; the recorded replies stand in for the model's, and
 """
 
 import itertools
-import queue
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from django.conf import settings
@@ -87,45 +86,24 @@ def _record(run: Run, session_index: int, session: ReplaySession, index: int, **
 
 def _run_sessions(run: Run, sessions: Sequence[ReplaySession], worker: Callable, concurrency: int) -> None:
     """Call `worker(index, session)` for every session, `concurrency` at a time (in this thread when 1);
-    the run's times are stored."""
+    the run's times are stored. The first error is raised here."""
     run.started_at = timezone.now()
     run.save(update_fields=["started_at"])
     if concurrency <= 1:
         for index, session in enumerate(sessions):
             worker(index, session)
     else:
-        _in_threads(list(enumerate(sessions)), worker, concurrency)
+
+        def in_a_thread(item: tuple[int, ReplaySession]) -> None:
+            try:
+                worker(*item)
+            finally:
+                connection.close()  # each pool thread has its own connection
+
+        with ThreadPoolExecutor(max_workers=concurrency) as pool:
+            list(pool.map(in_a_thread, enumerate(sessions)))
     run.finished_at = timezone.now()
     run.save(update_fields=["finished_at"])
-
-
-def _in_threads(items: list[tuple[int, ReplaySession]], worker: Callable, threads: int) -> None:
-    """Each thread takes the next item until none is left; the first error is raised here once all stop."""
-    work: queue.Queue[tuple[int, ReplaySession]] = queue.Queue()
-    for item in items:
-        work.put(item)
-    errors: list[BaseException] = []
-
-    def drain() -> None:
-        try:
-            while True:
-                try:
-                    index, session = work.get_nowait()
-                except queue.Empty:
-                    return
-                worker(index, session)
-        except BaseException as exc:  # raised in the caller's thread below
-            errors.append(exc)
-        finally:
-            connection.close()
-
-    pool = [threading.Thread(target=drain, daemon=True) for _ in range(threads)]
-    for thread in pool:
-        thread.start()
-    for thread in pool:
-        thread.join()
-    if errors:
-        raise errors[0]
 
 
 # Live ---------------------------------------------------------------------------

@@ -7,6 +7,8 @@ import threading
 import time
 import urllib.request
 import uuid
+from functools import partial
+from itertools import islice
 from pathlib import Path
 
 from django.conf import settings
@@ -17,6 +19,7 @@ from django.db import connection
 from chatapp import loadtest
 from chatapp.api.keys import api_key_create
 from chatapp.datasets import chitchat_conversations
+from inference.benchmark import run_parallel
 from router.models import Node
 
 
@@ -78,32 +81,27 @@ class Command(BaseCommand):
     def _load(self, run: str, prefix: str, port: int, processes: dict[str, subprocess.Popen], o) -> dict:
         user, _ = User.objects.get_or_create(username="loadtest")
         _, key = api_key_create(owner=user, name=f"load test {run}")
-        conversations = [c for c in chitchat_conversations(min_messages=12)][: o["sessions"]]
+        conversations = list(islice(chitchat_conversations(min_messages=12), o["sessions"]))
         clients = [loadtest.ClientStats() for _ in range(o["sessions"])]
         stop = threading.Event()
         memory = loadtest.sample_memory({name: p.pid for name, p in processes.items()}, stop)
         started = time.monotonic()
         deadline = started + o["duration"]
-        threads = [
-            threading.Thread(
-                target=loadtest.run_client,
-                kwargs={
-                    "url": f"http://127.0.0.1:{port}",
-                    "key": key,
-                    "session": f"{prefix}{k}",
-                    "texts": conversations[k][0::2],
-                    "deadline": deadline,
-                    "max_tokens": o["max_tokens"],
-                    "stats": clients[k],
-                },
-                daemon=True,
-            )
-            for k in range(o["sessions"])
-        ]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        run_parallel(
+            [
+                partial(
+                    loadtest.run_client,
+                    url=f"http://127.0.0.1:{port}",
+                    key=key,
+                    session=f"{prefix}{k}",
+                    texts=conversations[k][0::2],
+                    deadline=deadline,
+                    max_tokens=o["max_tokens"],
+                    stats=clients[k],
+                )
+                for k in range(o["sessions"])
+            ]
+        )
         seconds = time.monotonic() - started
         stop.set()
         self._progress(o, "load done; waiting for unfinished turns, then auditing Postgres")
