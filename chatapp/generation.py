@@ -11,7 +11,7 @@ from django.db import InterfaceError, OperationalError, connection, transaction
 from django.utils import timezone
 
 from chatapp import streams
-from chatapp.memory.assembly import turn_prompt, turn_record_prompt
+from chatapp.memory.assembly import turn_prompt, turn_record_prompt, turn_summarize
 from chatapp.memory.base import ContextOverflow
 from chatapp.models import Message, Turn
 from chatapp.services import session_key_for
@@ -52,7 +52,17 @@ def turn_generate(*, turn_id: int, attempt: int, engine: "Engine", node: str) ->
         logger.exception("turn %s failed on node %s", turn_id, node)
         _turn_fail(turn=turn, error=f"{type(exc).__name__}: {exc}")
         return
-    _turn_finish(turn=turn, generation=generation)
+    if _turn_finish(turn=turn, generation=generation):
+        _summarize_after(turn=turn, engine=engine)
+
+
+def _summarize_after(*, turn: Turn, engine: "Engine") -> None:
+    """Write the summaries the turn's prompt now needs, after its reply is stored and streamed: a summary
+    never delays a first token, and a failed one only leaves the next prompt without it."""
+    try:
+        turn_summarize(turn=turn, engine=engine)
+    except Exception:
+        logger.exception("summarising after turn %s failed", turn.pk)
 
 
 def _stream_token(turn: Turn, text: str) -> None:
@@ -105,10 +115,12 @@ def _claim(*, turn_id: int, attempt: int, node: str) -> Turn | None:
 _FINISH_FIELDS = ["assistant_message", "status", "finish_reason", *Turn.MEASUREMENTS, "finished_at"]
 
 
-def _turn_finish(*, turn: Turn, generation: "Generation") -> None:
+def _turn_finish(*, turn: Turn, generation: "Generation") -> bool:
+    """Store and announce the reply; False when the turn was already finished (nothing stored)."""
     stored = _reconnecting(lambda: _store_reply(turn=turn, generation=generation))
     if stored is not None:
         streams.publish_or_log(turn.stream_name, end_event(stored))
+    return stored is not None and stored.status == Turn.Status.DONE
 
 
 def _store_reply(*, turn: Turn, generation: "Generation") -> Turn | None:

@@ -29,6 +29,9 @@ class Conversation(models.Model):
     )
     # Options over the alias's configured OPTIONS, for this conversation only (a replay's budget sweep).
     strategy_options = models.JSONField(default=dict, blank=True)
+    # How recalled turns name the two sides ("Caroline: ..."); an imported conversation keeps its names.
+    user_name = models.CharField(max_length=100, default="User")
+    assistant_name = models.CharField(max_length=100, default="Assistant")
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True, db_index=True)
 
@@ -53,7 +56,8 @@ class Message(models.Model):
     token_ids = ArrayField(models.IntegerField(), null=True, blank=True)
     pinned = models.BooleanField(default=False, help_text="Rides in a fixed slot after the system prompt.")
     excluded = models.BooleanField(default=False, help_text="Never resent to the model.")
-    created_at = models.DateTimeField(auto_now_add=True)
+    # When it was said: now, or the original time of an imported message.
+    created_at = models.DateTimeField(default=timezone.now)
 
     class Meta:
         ordering = ["created_at", "id"]
@@ -165,10 +169,13 @@ class UserFact(models.Model):
 
 
 class Summary(models.Model):
-    """A model-written summary of dropped turns; append-only, so prompts that include it keep their prefix."""
+    """A model-written summary of dropped turns, written after a reply (chatapp.memory.summaries); append-only,
+    so prompts that include it keep their prefix until a roll-up folds it."""
 
     conversation = models.ForeignKey(Conversation, on_delete=models.CASCADE, related_name="summaries")
     text = models.TextField()
+    # The messages it covers, first to last; a roll-up covers the summaries it folds.
+    first_message = models.ForeignKey(Message, on_delete=models.CASCADE, related_name="+", null=True, blank=True)
     through_message = models.ForeignKey(Message, on_delete=models.CASCADE, related_name="+")
     # Its own cost: the summarisation is a generation too.
     prompt_tokens = models.PositiveIntegerField(default=0)

@@ -2,8 +2,9 @@
 
 import logging
 import re
-from collections.abc import Callable
-from datetime import timedelta
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.contrib.auth.models import User
@@ -95,6 +96,44 @@ def conversation_create(
         strategy=check_strategy(strategy or settings.CHAT_DEFAULT_STRATEGY, strategy_options),
         strategy_options=strategy_options or {},
     )
+
+
+@dataclass(frozen=True)
+class ImportedMessage:
+    role: str  # "user" or "assistant"
+    text: str
+    sent_at: datetime
+
+
+def conversation_import(
+    *,
+    owner: User,
+    title: str,
+    messages: Sequence[ImportedMessage],
+    user_name: str = "User",
+    assistant_name: str = "Assistant",
+    strategy: str = "",
+) -> Conversation:
+    """Store a whole conversation said elsewhere, with its own times and speakers' names, in one transaction.
+    Every message is checked like a typed one; nothing is stored if one is refused (TurnRejected says which)."""
+    rows = []
+    for number, message in enumerate(messages, start=1):
+        if message.role not in (Message.Role.USER, Message.Role.ASSISTANT):
+            raise TurnRejected(f"Message {number}: the role must be user or assistant, not {message.role!r}.")
+        try:
+            text = check_message_text(message.text)
+        except TurnRejected as exc:
+            raise TurnRejected(f"Message {number}: {exc}") from exc
+        rows.append(Message(role=message.role, content=text, created_at=message.sent_at))
+    with transaction.atomic():
+        conversation = conversation_create(owner=owner, title=title, strategy=strategy)
+        conversation.user_name = without_control_characters(user_name).strip()[:100] or "User"
+        conversation.assistant_name = without_control_characters(assistant_name).strip()[:100] or "Assistant"
+        conversation.save(update_fields=["user_name", "assistant_name"])
+        for row in rows:
+            row.conversation = conversation
+        Message.objects.bulk_create(rows)
+    return conversation
 
 
 def conversation_set_strategy(*, conversation: Conversation, strategy: str) -> None:

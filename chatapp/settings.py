@@ -169,6 +169,17 @@ CHAT_MEMORY_STRATEGIES = {
         "BACKEND": "chatapp.memory.strategies.StablePrefix",
         "OPTIONS": {"high": 2560, "low": 1024, "pinned": True},
     },
+    # Earlier turns recalled by BM25 in a block before each new message, which stays there in later prompts
+    # (chatapp.memory.base); sizes as shares of the prompt's budget. `recall` gives most of the budget to
+    # the new block (most evidence, most computed), `recall_cached` most of it to the stable window.
+    "recall": {
+        "BACKEND": "chatapp.memory.strategies.StablePrefix",
+        "OPTIONS": {"high": 0.2, "low": 0.1, "recall_tokens": 0.8},
+    },
+    "recall_cached": {
+        "BACKEND": "chatapp.memory.strategies.StablePrefix",
+        "OPTIONS": {"high": 0.8, "low": 0.3, "recall_tokens": 0.2},
+    },
 }
 CHAT_STREAM_TTL_SECONDS = env.int("CHAT_STREAM_TTL_SECONDS", default=3600)
 # Unfinished turns a node may hold per generation slot before new ones are refused ("busy, retry").

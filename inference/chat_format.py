@@ -10,7 +10,7 @@ then starts with turn N's prompt plus its reply, token for token.
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, lru_cache
 from typing import Literal, Protocol
 
 Role = Literal["system", "user", "assistant"]
@@ -46,6 +46,8 @@ class GemmaChatFormat:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tokenizer = tokenizer
         self._marker = cache(self._tokenize_marker)
+        self._count_one = lru_cache(maxsize=65536)(self._count_message)
+        self._text_tokens = lru_cache(maxsize=65536)(self._tokenize_text)
         self.stop_token_ids = frozenset(
             {tokenizer.token_eos(), *self._marker("<end_of_turn>"), *self._marker("<start_of_turn>")}
         )
@@ -58,8 +60,12 @@ class GemmaChatFormat:
         return self._tokenizer.detokenize(list(tokens), special=True).decode("utf-8", errors="replace")
 
     def text_tokens(self, text: str) -> list[int]:
-        """Tokens for text a person or the model wrote: special-token syntax stays plain text."""
-        return self._tokenizer.tokenize(text.encode(), add_bos=False, special=False)
+        """Tokens for text a person or the model wrote: special-token syntax stays plain text. Cached: every
+        prompt of a conversation tokenises the same history again."""
+        return list(self._text_tokens(text))
+
+    def _tokenize_text(self, text: str) -> tuple[int, ...]:
+        return tuple(self._tokenizer.tokenize(text.encode(), add_bos=False, special=False))
 
     def render(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True) -> list[int]:
         """The prompt: <bos>, then each turn; system texts open the first user turn, each tokenized on its own."""
@@ -80,15 +86,15 @@ class GemmaChatFormat:
         return tokens
 
     def count(self, messages: Sequence[ChatMessage]) -> int:
-        """Tokens these messages add to a prompt; additive, so segments can be measured one by one."""
-        total = 0
-        for m in messages:
-            if m.role == "system":
-                total += len(self._system_tokens(m))
-            else:
-                opening = self._marker(f"<start_of_turn>{self.ROLE_NAMES[m.role]}\n")
-                total += len(opening) + len(self._body(m)) + len(self._marker("<end_of_turn>\n"))
-        return total
+        """Tokens these messages add to a prompt; additive, so segments can be measured one by one.
+        Each message is counted once per process (strategies measure the same history every turn)."""
+        return sum(self._count_one(m) for m in messages)
+
+    def _count_message(self, m: ChatMessage) -> int:
+        if m.role == "system":
+            return len(self._system_tokens(m))
+        opening = self._marker(f"<start_of_turn>{self.ROLE_NAMES[m.role]}\n")
+        return len(opening) + len(self._body(m)) + len(self._marker("<end_of_turn>\n"))
 
     @property
     def overhead(self) -> int:

@@ -12,7 +12,7 @@ import itertools
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from django.conf import settings
 from django.contrib.auth.models import User
@@ -23,9 +23,9 @@ from chatapp import services, streams
 from chatapp.experiments.models import ReplayTurn, Run
 from chatapp.experiments.probes import recalled
 from chatapp.experiments.sources import ReplaySession
-from chatapp.memory.assembly import SUMMARY_TOKENS
 from chatapp.memory.base import ContextOverflow, MemoryContext, MemoryStrategy, StoredMessage, StoredSummary
 from chatapp.memory.registry import strategy_get
+from chatapp.memory.summaries import stand_in_writer, summaries_bring_up_to_date
 from chatapp.models import Turn
 from chatapp.selectors import text_search
 from inference.config import EngineConfig
@@ -201,13 +201,14 @@ def _start_when_not_busy(conversation, text, sampling, policy) -> Turn:
 def dry_turns(strategy: MemoryStrategy, session: ReplaySession, *, max_tokens: int) -> Iterator[dict]:
     """Each turn's assembly figures (ReplayTurn fields), with the recorded replies standing in for the model's.
 
-    Summaries (strategies with `summarize`) cannot be written without the model: a stand-in of the
-    dropped text cut to the summary's token budget takes their place, so their size is right.
+    Summaries (strategies with `summarize`) cannot be written without the model: stand-ins of the right
+    size take their place (`summaries.stand_in_writer`), written after each turn as the node would.
     """
     config = EngineConfig()
     fmt = chat_format_for(config.MODEL_PATH)
     budget = config.N_CTX - max_tokens - fmt.overhead
     ids = itertools.count(1)
+    write_summary = stand_in_writer(fmt)
     history: list[StoredMessage] = []
     summaries: list[StoredSummary] = []
     previous: list[int] | None = None
@@ -222,15 +223,10 @@ def dry_turns(strategy: MemoryStrategy, session: ReplaySession, *, max_tokens: i
             system_prompt=settings.CHAT_SYSTEM_PROMPT,
             summaries=list(summaries),
             previous_first_id=first_verbatim,
-            search=_searcher({m.id: m.text for m in history}),
+            search=text_searcher({m.id: m.text for m in history}),
         )
         try:
             assembled = strategy.assemble(context)
-            if assembled.summarize_ids:
-                dropped = " ".join(m.text for m in history if m.id in assembled.summarize_ids)
-                stand_in = fmt.display(fmt.text_tokens(dropped)[:SUMMARY_TOKENS])
-                summaries.append(StoredSummary(stand_in, max(assembled.summarize_ids)))
-                assembled = strategy.assemble(replace(context, summaries=list(summaries)))
         except ContextOverflow as exc:
             history.append(new)
             yield {"status": Turn.Status.FAILED, "error": str(exc), "reply": ""}
@@ -251,9 +247,17 @@ def dry_turns(strategy: MemoryStrategy, session: ReplaySession, *, max_tokens: i
         history += [new, StoredMessage(next(ids), "assistant", reply_text, reply_ids)]
         previous = [*prompt, *reply_ids]
         first_verbatim = assembled.first_verbatim_id
+        if strategy.summarize:
+            summaries = summaries_bring_up_to_date(
+                history=history,
+                window_start=assembled.first_verbatim_id or 0,
+                summaries=summaries,
+                count_text=lambda text: len(fmt.text_tokens(text)),
+                write=write_summary,
+            )
 
 
-def _searcher(texts: dict[int, str]) -> Callable[[str, Sequence[int]], list[int]]:
+def text_searcher(texts: dict[int, str]) -> Callable[[str, Sequence[int]], list[int]]:
     """The live full-text search, over the dry run's unstored history."""
 
     def search(query: str, ids: Sequence[int]) -> list[int]:

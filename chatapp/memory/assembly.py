@@ -8,7 +8,14 @@ from django.conf import settings
 
 from chatapp.memory.base import AssembledPrompt, MemoryContext, StoredMessage, StoredSummary, prompt_hash
 from chatapp.memory.registry import strategy_get, strategy_options
-from chatapp.models import Message, Summary, Turn, UserFact
+from chatapp.memory.summaries import (
+    CHUNK_TOKENS,
+    SUMMARY_INSTRUCTION,
+    SUMMARY_TOKENS,
+    SummaryJob,
+    summaries_bring_up_to_date,
+)
+from chatapp.models import Conversation, Message, Summary, Turn, UserFact
 from chatapp.selectors import message_search
 from inference.chat_format import ChatMessage
 from inference.engine import Sampling
@@ -16,20 +23,14 @@ from inference.engine import Sampling
 if TYPE_CHECKING:
     from inference.engine import Engine
 
-SUMMARY_TOKENS = 96
-SUMMARY_INSTRUCTION = (
-    "Summarize the conversation below in two or three sentences. Keep every name, place, number and fact.\n\n"
-)
-
 
 @dataclasses.dataclass(frozen=True)
 class TurnPrompt:
     assembled: AssembledPrompt
     tokens: list[int]
-    summary_cost: dict | None
 
 
-def _stored(message: Message) -> StoredMessage:
+def stored_message(message: Message) -> StoredMessage:
     token_ids = tuple(message.token_ids) if message.token_ids is not None else None
     return StoredMessage(
         id=message.pk,
@@ -38,75 +39,102 @@ def _stored(message: Message) -> StoredMessage:
         token_ids=token_ids,
         pinned=message.pinned,
         excluded=message.excluded,
+        sent_at=message.created_at,
     )
+
+
+def names_of(conversation: Conversation) -> dict[str, str]:
+    return {"user": conversation.user_name, "assistant": conversation.assistant_name}
+
+
+def stored_summaries(conversation: Conversation) -> list[StoredSummary]:
+    return [StoredSummary(s.text, s.through_message_id, s.first_message_id or 0) for s in conversation.summaries.all()]
+
+
+def _history(turn: Turn) -> list[StoredMessage]:
+    """Every message of the conversation stored before the turn's own."""
+    earlier = Message.objects.filter(conversation_id=turn.conversation_id, id__lt=turn.user_message_id)
+    return [stored_message(m) for m in earlier.order_by("created_at", "id")]
 
 
 def _context(turn: Turn, engine: "Engine", sampling: Sampling) -> MemoryContext:
     conversation = turn.conversation
-    history = Message.objects.filter(conversation=conversation, id__lt=turn.user_message_id).order_by(
-        "created_at", "id"
-    )
-    previous = conversation.turns.filter(id__lt=turn.pk, status=Turn.Status.DONE).order_by("-id").first()
+    earlier = conversation.turns.filter(id__lt=turn.pk, status=Turn.Status.DONE).order_by("id")
+    previous = earlier.last()
     fmt = engine.chat_format
     return MemoryContext(
-        history=[_stored(m) for m in history],
-        new_message=_stored(turn.user_message),
+        history=_history(turn),
+        new_message=stored_message(turn.user_message),
         budget=engine.n_ctx - sampling.max_tokens - fmt.overhead,
         count_tokens=fmt.count,
         system_prompt=conversation.system_prompt or settings.CHAT_SYSTEM_PROMPT,
         facts=list(UserFact.objects.filter(owner_id=conversation.owner_id).values_list("text", flat=True)),
-        summaries=[StoredSummary(s.text, s.through_message_id) for s in conversation.summaries.all()],
+        summaries=stored_summaries(conversation),
         previous_first_id=previous.trace.get("first_verbatim") if previous else None,
         search=lambda query, ids: message_search(query=query, message_ids=ids),
+        recalled={
+            user_id: tuple(ids) for user_id, ids in earlier.values_list("user_message_id", "trace__recalled") if ids
+        },
+        names=names_of(conversation),
     )
 
 
 def turn_prompt(*, turn: Turn, engine: "Engine", sampling: Sampling) -> TurnPrompt:
-    """Assemble the turn's prompt with its conversation's strategy; summarise dropped turns first if it asks."""
+    """Assemble the turn's prompt with its conversation's strategy, from stored state only."""
     strategy = strategy_get(turn.strategy, turn.strategy_options)
-    context = _context(turn, engine, sampling)
-    assembled = strategy.assemble(context)
-    summary_cost = None
-    if assembled.summarize_ids:
-        summary, summary_cost = _summarize(turn, engine, assembled.summarize_ids)
-        context = dataclasses.replace(context, summaries=[*context.summaries, summary])
-        assembled = strategy.assemble(context)
-    tokens = engine.chat_format.render(assembled.messages())
-    return TurnPrompt(assembled, tokens, summary_cost)
+    assembled = strategy.assemble(_context(turn, engine, sampling))
+    return TurnPrompt(assembled, engine.chat_format.render(assembled.messages()))
 
 
-def _summarize(turn: Turn, engine: "Engine", message_ids: tuple[int, ...]) -> tuple[StoredSummary, dict]:
-    """The model writes the summary on this node (its own session key, so the chat's cache is untouched)."""
-    messages = Message.objects.filter(pk__in=message_ids).order_by("created_at", "id")
-    transcript = "\n".join(f"{'User' if m.role == 'user' else 'Assistant'}: {m.content}" for m in messages)
-    prompt = engine.chat_format.render([ChatMessage("user", SUMMARY_INSTRUCTION + transcript)])
-    started = time.perf_counter()
-    generation = engine.generate(
-        session_key=f"conversation:{turn.conversation_id}:summary",
-        prompt=prompt,
-        sampling=Sampling(max_tokens=SUMMARY_TOKENS, temperature=0, top_p=1, repeat_penalty=1.1),
+def turn_summarize(*, turn: Turn, engine: "Engine") -> list[StoredSummary]:
+    """After a reply: summarise what the turn's prompt dropped and no summary covers yet, in chunks that fit
+    (strategies with `summarize` only). Runs on the node, off the first-token path."""
+    if not strategy_get(turn.strategy, turn.strategy_options).summarize:
+        return []
+    conversation = turn.conversation
+    fmt = engine.chat_format
+
+    def write(job: SummaryJob) -> StoredSummary:
+        prompt = fmt.render([ChatMessage("user", SUMMARY_INSTRUCTION + job.transcript)])
+        started = time.perf_counter()
+        generation = engine.generate(
+            session_key=f"conversation:{conversation.pk}:summary",
+            prompt=prompt,
+            sampling=Sampling(max_tokens=SUMMARY_TOKENS, temperature=0, top_p=1, repeat_penalty=1.1),
+        )
+        row = Summary.objects.create(
+            conversation=conversation,
+            text=generation.text.strip() or "(no summary)",
+            first_message_id=job.first_message_id,
+            through_message_id=job.through_message_id,
+            prompt_tokens=len(prompt),
+            completion_tokens=len(generation.token_ids),
+            ms=(time.perf_counter() - started) * 1000,
+        )
+        return StoredSummary(row.text, job.through_message_id, job.first_message_id)
+
+    return summaries_bring_up_to_date(
+        history=_history(turn),
+        window_start=turn.trace.get("first_verbatim") or 0,
+        summaries=stored_summaries(conversation),
+        count_text=lambda text: len(fmt.text_tokens(text)),
+        write=write,
+        names=names_of(conversation),
+        chunk_tokens=summary_chunk_tokens(engine),
     )
-    ms = (time.perf_counter() - started) * 1000
-    text = generation.text.strip() or "(no summary)"
-    row = Summary.objects.create(
-        conversation_id=turn.conversation_id,
-        text=text,
-        through_message_id=max(message_ids),
-        prompt_tokens=len(prompt),
-        completion_tokens=len(generation.token_ids),
-        ms=ms,
-    )
-    cost = {"prompt_tokens": row.prompt_tokens, "completion_tokens": row.completion_tokens, "ms": round(ms, 1)}
-    return StoredSummary(text, row.through_message_id), cost
+
+
+def summary_chunk_tokens(engine: "Engine") -> int:
+    """The longest transcript a summarising prompt can hold on this engine, up to CHUNK_TOKENS."""
+    fmt = engine.chat_format
+    instruction = fmt.count([ChatMessage("user", SUMMARY_INSTRUCTION)])
+    return min(CHUNK_TOKENS, engine.n_ctx - SUMMARY_TOKENS - instruction - fmt.overhead - 16)
 
 
 def turn_record_prompt(*, turn: Turn, prompt: TurnPrompt, detokenize) -> None:
     """Store what the strategy resent and dropped, and the exact prompt, on the turn."""
-    trace = prompt.assembled.trace()
-    if prompt.summary_cost:
-        trace["summary_cost"] = prompt.summary_cost
     turn.strategy_options = strategy_options(turn.strategy, turn.strategy_options)
-    turn.trace = trace
+    turn.trace = prompt.assembled.trace()
     turn.prompt_hash = prompt_hash(prompt.tokens)
     turn.prompt_text = detokenize(prompt.tokens)
     turn.prompt_token_ids = prompt.tokens

@@ -9,19 +9,26 @@ and deterministic: the same context always gives the same prompt.
 A strategy class chooses *which verbatim messages* stay (its `select`); the
 add-ons every strategy can switch on by OPTIONS live here, once:
 `pinned` (pinned messages and the user's saved facts in a fixed slot after
-the system prompt), `summarize` (dropped turns folded into model-written
-summaries placed before the verbatim window) and `retrieve` (dropped
-messages that match the new message, placed right before it).
+the system prompt), `summarize` (the summaries stored so far, placed before
+the verbatim window), `retrieve` (dropped messages that match the new
+message by Postgres full-text search, placed right before it) and
+`recall_tokens` (earlier turns ranked by BM25, quoted in one block right
+before the new message; the block stays in front of that message in later
+prompts, so the prompt only grows and the node's prefix cache keeps hitting).
 """
 
 import hashlib
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Literal
 
+from chatapp.memory import lexical
 from inference.chat_format import ChatMessage
 
-SegmentKind = Literal["system", "pinned", "summary", "retrieved", "verbatim"]
+SegmentKind = Literal["system", "pinned", "summary", "retrieved", "recalled", "verbatim"]
+RECALL_HEADING = "Earlier in this conversation:"
+MIN_LINE_TOKENS = 8  # a recalled block stops looking for turns that fit once less than this is left
 
 
 class ContextOverflow(ValueError):
@@ -36,6 +43,7 @@ class StoredMessage:
     token_ids: tuple[int, ...] | None = None
     pinned: bool = False
     excluded: bool = False
+    sent_at: datetime | None = None
 
     def chat(self) -> ChatMessage:
         return ChatMessage(role=self.role, text=self.text, token_ids=self.token_ids)
@@ -45,6 +53,17 @@ class StoredMessage:
 class StoredSummary:
     text: str
     through_message_id: int  # the last message it folds in
+    first_message_id: int = 0  # the first (a roll-up of earlier summaries starts where the first of them did)
+
+
+def current_summaries(summaries: Sequence[StoredSummary]) -> list[StoredSummary]:
+    """The summaries not folded into a roll-up (one whose range holds theirs), oldest first."""
+
+    def inside(s: StoredSummary, o: StoredSummary) -> bool:
+        return o is not s and o.first_message_id <= s.first_message_id and o.through_message_id >= s.through_message_id
+
+    ordered = sorted(summaries, key=lambda s: (s.through_message_id, s.first_message_id))
+    return [s for s in ordered if not any(inside(s, o) for o in ordered)]
 
 
 @dataclass(frozen=True)
@@ -58,6 +77,9 @@ class MemoryContext:
     summaries: Sequence[StoredSummary] = ()
     previous_first_id: int | None = None  # first verbatim message of the previous turn's prompt
     search: Callable[[str, Sequence[int]], list[int]] = lambda query, ids: []  # matching ids among `ids`, best first
+    # For each earlier user message, the messages its own turn recalled in front of it (turn traces).
+    recalled: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
+    names: Mapping[str, str] = field(default_factory=lambda: {"user": "User", "assistant": "Assistant"})
 
 
 @dataclass(frozen=True)
@@ -75,9 +97,8 @@ class AssembledPrompt:
     dropped_ids: tuple[int, ...]
     summarized_ids: tuple[int, ...] = ()
     retrieved_ids: tuple[int, ...] = ()
+    recalled_ids: tuple[int, ...] = ()  # quoted in this turn's own block, before the new message
     tokens: int = 0
-    # Dropped turns the strategy wants summarised before it can assemble (summarize=True); empty when ready.
-    summarize_ids: tuple[int, ...] = ()
     first_verbatim_id: int | None = None
 
     def messages(self) -> list[ChatMessage]:
@@ -90,6 +111,7 @@ class AssembledPrompt:
             "dropped": list(self.dropped_ids),
             "summarized": list(self.summarized_ids),
             "retrieved": list(self.retrieved_ids),
+            "recalled": list(self.recalled_ids),
             "first_verbatim": self.first_verbatim_id,
             "tokens": self.tokens,
             "segments": [{"kind": s.kind, "ids": list(s.message_ids), "tokens": s.tokens} for s in self.segments],
@@ -107,6 +129,10 @@ class MemoryStrategy:
     pinned: bool = False
     summarize: bool = False
     retrieve: int = 0  # how many dropped messages to bring back by full-text search
+    # Tokens of earlier turns to quote before the new message (0: off); a float up to 1 is a share of the budget.
+    recall_tokens: float = 0
+    recall_neighbors: float = 0.3  # how much a turn's neighbours' match lifts it
+    recall_session: float = 0.5  # how much the best match in a turn's session lifts it
 
     prefix_stable = False  # consecutive prompts share their prefix except at rare, chunked drops
 
@@ -114,7 +140,7 @@ class MemoryStrategy:
         """The prompt for `context`; raises ContextOverflow when it cannot fit."""
         eligible = [m for m in context.history if not m.excluded]
         pinned = [m for m in eligible if self.pinned and m.pinned]
-        summaries = list(context.summaries) if self.summarize else []
+        summaries = current_summaries(context.summaries) if self.summarize else []
         covered = max((s.through_message_id for s in summaries), default=0)
         pinned_ids = {m.id for m in pinned}
         candidates = [m for m in eligible if m.id not in pinned_ids and m.id > covered]
@@ -126,29 +152,38 @@ class MemoryStrategy:
                 f"The prompt needs {fixed} tokens before any history, over its {context.budget}-token budget."
             )
         chosen = self.select(context, candidates, context.budget - fixed)
-        chosen_ids = {m.id for m in chosen}
-        dropped = [m for m in candidates if m.id not in chosen_ids]
-        if self.summarize and dropped:
-            return _summary_request(dropped)
-        retrieved = self._retrieve(context, dropped, context.budget - fixed - self._count(context, chat(chosen)))
-        body = [Segment("verbatim", tuple(chat(chosen)), tuple(m.id for m in chosen))]
+        body = self._verbatim_segments(context, chosen)
+        in_prompt = pinned_ids | {i for segment in body for i in segment.message_ids}
+        left = context.budget - fixed - sum(self._count(context, s.messages) for s in body)
+        retrieved = self._retrieve(context, [m for m in candidates if m.id not in in_prompt], left)
         if retrieved:
             body.append(Segment("retrieved", tuple(chat(retrieved)), tuple(m.id for m in retrieved)))
+            in_prompt |= {m.id for m in retrieved}
+            left -= self._count(context, body[-1].messages)
+        recalled = self._recall(context, [m for m in eligible if m.id not in in_prompt], left)
+        if recalled:
+            body.append(self._recall_segment(context, recalled))
+            in_prompt |= {m.id for m in recalled}
         segments = [_measured(context, s) for s in [*head, *body, newest] if s.messages]
-        kept = pinned_ids | chosen_ids | {m.id for m in retrieved}
         return AssembledPrompt(
             segments=tuple(segments),
-            kept_ids=(*(m.id for m in eligible if m.id in kept), context.new_message.id),
-            dropped_ids=tuple(m.id for m in context.history if m.id not in kept),
-            summarized_ids=tuple(m.id for m in eligible if m.id <= covered and m.id not in pinned_ids),
+            kept_ids=(*(m.id for m in eligible if m.id in in_prompt), context.new_message.id),
+            dropped_ids=tuple(m.id for m in context.history if m.id not in in_prompt),
+            summarized_ids=tuple(m.id for m in eligible if m.id <= covered and m.id not in in_prompt),
             retrieved_ids=tuple(m.id for m in retrieved),
+            recalled_ids=tuple(m.id for m in recalled),
             tokens=sum(s.tokens for s in segments),
             first_verbatim_id=chosen[0].id if chosen else context.new_message.id,
         )
 
     def select(self, context: MemoryContext, candidates: list[StoredMessage], budget: int) -> list[StoredMessage]:
-        """The verbatim history to keep: a subset of `candidates`, in order, within `budget` tokens."""
+        """The verbatim history to keep: a subset of `candidates`, in order, within `budget` tokens
+        (measured with `cost`, which counts the blocks that ride with them)."""
         raise NotImplementedError
+
+    def cost(self, context: MemoryContext, messages: Sequence[StoredMessage]) -> int:
+        """Tokens these verbatim messages take in a prompt, with the recalled blocks in front of them."""
+        return sum(self._count(context, s.messages) for s in self._verbatim_segments(context, messages))
 
     # Add-ons ------------------------------------------------------------------
 
@@ -166,6 +201,26 @@ class MemoryStrategy:
         texts = tuple(ChatMessage("system", f"Summary of earlier conversation: {s.text}") for s in summaries)
         return [Segment("summary", texts)] if texts else []
 
+    def _verbatim_segments(self, context: MemoryContext, messages: Sequence[StoredMessage]) -> list[Segment]:
+        """`messages` as verbatim segments, each user message preceded by the block its own turn recalled
+        (when this strategy recalls): re-rendered from the same ids, so the tokens are the same."""
+        if not (self.recall_tokens and context.recalled):
+            return [Segment("verbatim", tuple(chat(messages)), tuple(m.id for m in messages))] if messages else []
+        segments: list[Segment] = []
+        run: list[StoredMessage] = []
+        by_id = {m.id: m for m in context.history}
+        for message in messages:
+            quoted = [by_id[i] for i in context.recalled.get(message.id, ()) if i in by_id]
+            if quoted:
+                if run:
+                    segments.append(Segment("verbatim", tuple(chat(run)), tuple(m.id for m in run)))
+                    run = []
+                segments.append(self._recall_segment(context, quoted))
+            run.append(message)
+        if run:
+            segments.append(Segment("verbatim", tuple(chat(run)), tuple(m.id for m in run)))
+        return segments
+
     def _retrieve(self, context: MemoryContext, dropped: list[StoredMessage], budget: int) -> list[StoredMessage]:
         if not self.retrieve or not dropped:
             return []
@@ -176,9 +231,72 @@ class MemoryStrategy:
                 found.append(by_id[message_id])
         return sorted(found, key=lambda m: m.id)
 
+    def _recall(self, context: MemoryContext, absent: list[StoredMessage], budget: int) -> list[StoredMessage]:
+        """The best-ranked of the messages not in the prompt, as many as fit in `recall_tokens` and `budget`."""
+        budget = min(budget, tokens_of(self.recall_tokens, context.budget))
+        if budget <= 0 or not absent:
+            return []
+        documents = [lexical.Document(m.id, f"{_speaker(context, m)} {m.text}", _day(m)) for m in absent]
+        ranked = lexical.rank(
+            context.new_message.text, documents, neighbors=self.recall_neighbors, session=self.recall_session
+        )
+        by_id = {m.id: m for m in absent}
+        chosen: list[StoredMessage] = []
+        used = self._count(context, [ChatMessage("user", RECALL_HEADING)])
+        days: set = set()
+        for message_id in ranked:
+            if budget - used < MIN_LINE_TOKENS:
+                break
+            message = by_id[message_id]
+            cost = self._count(context, [ChatMessage("system", _line(context, message))])
+            if _day(message) not in days:
+                cost += self._count(context, [ChatMessage("system", _day_heading(message))])
+            if used + cost <= budget:
+                chosen.append(message)
+                days.add(_day(message))
+                used += cost
+        chosen.sort(key=lambda m: m.id)
+        while chosen and self._count(context, self._recall_segment(context, chosen).messages) > budget:
+            chosen.remove(by_id[next(i for i in reversed(ranked) if by_id[i] in chosen)])
+        return chosen
+
+    @staticmethod
+    def _recall_segment(context: MemoryContext, messages: Sequence[StoredMessage]) -> Segment:
+        """One user-role block quoting `messages` in conversation order, under a heading per day."""
+        lines = [RECALL_HEADING]
+        day = None
+        for message in messages:
+            if message.sent_at is not None and _day(message) != day:
+                day = _day(message)
+                lines.append(_day_heading(message))
+            lines.append(_line(context, message))
+        text = "\n".join(lines)
+        return Segment("recalled", (ChatMessage("user", text),), tuple(m.id for m in messages))
+
     @staticmethod
     def _count(context: MemoryContext, messages: Sequence[ChatMessage]) -> int:
         return context.count_tokens(messages) if messages else 0
+
+
+def tokens_of(value: float, budget: int) -> int:
+    """A size option in tokens: an int is tokens, a float up to 1 a share of the prompt's budget."""
+    return int(value * budget) if isinstance(value, float) and value <= 1 else int(value)
+
+
+def _speaker(context: MemoryContext, message: StoredMessage) -> str:
+    return context.names.get(message.role, message.role)
+
+
+def _line(context: MemoryContext, message: StoredMessage) -> str:
+    return f"{_speaker(context, message)}: {message.text}"
+
+
+def _day(message: StoredMessage):
+    return message.sent_at.date() if message.sent_at else None
+
+
+def _day_heading(message: StoredMessage) -> str:
+    return f"[{message.sent_at:%-d %B %Y}]" if message.sent_at else ""
 
 
 def chat(messages: Sequence[StoredMessage]) -> list[ChatMessage]:
@@ -187,10 +305,3 @@ def chat(messages: Sequence[StoredMessage]) -> list[ChatMessage]:
 
 def _measured(context: MemoryContext, segment: Segment) -> Segment:
     return Segment(segment.kind, segment.messages, segment.message_ids, context.count_tokens(segment.messages))
-
-
-def _summary_request(dropped: list[StoredMessage]) -> AssembledPrompt:
-    """Ask the caller to summarise `dropped` first (it stores the summary, then assembles again)."""
-    return AssembledPrompt(
-        segments=(), kept_ids=(), dropped_ids=tuple(m.id for m in dropped), summarize_ids=tuple(m.id for m in dropped)
-    )

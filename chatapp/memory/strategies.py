@@ -1,8 +1,10 @@
 """The shipped strategies: each chooses which verbatim history stays (see `base` for the add-ons)."""
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
-from chatapp.memory.base import ContextOverflow, MemoryContext, MemoryStrategy, StoredMessage, chat
+from chatapp.memory.base import ContextOverflow, MemoryContext, MemoryStrategy, StoredMessage, tokens_of
 
 Exchange = list[StoredMessage]
 
@@ -21,12 +23,14 @@ def flatten(groups: list[Exchange]) -> list[StoredMessage]:
     return [m for group in groups for m in group]
 
 
-def newest_that_fit(context: MemoryContext, groups: list[Exchange], budget: int) -> list[Exchange]:
+def newest_that_fit(
+    groups: list[Exchange], budget: int, cost_of: Callable[[Sequence[StoredMessage]], int]
+) -> list[Exchange]:
     """The longest run of the newest exchanges within `budget` tokens."""
     kept: list[Exchange] = []
     used = 0
     for group in reversed(groups):
-        cost = context.count_tokens(chat(group))
+        cost = cost_of(group)
         if used + cost > budget:
             break
         kept.insert(0, group)
@@ -38,7 +42,7 @@ class Full(MemoryStrategy):
     """Everything, until the context is full; then the turn fails saying so (it never silently overflows)."""
 
     def select(self, context: MemoryContext, candidates: list[StoredMessage], budget: int) -> list[StoredMessage]:
-        needed = context.count_tokens(chat(candidates))
+        needed = self.cost(context, candidates)
         if needed > budget:
             raise ContextOverflow(
                 f"The conversation needs {needed} tokens of history but only {budget} fit in the model's context; "
@@ -55,7 +59,7 @@ class Window(MemoryStrategy):
 
     def select(self, context: MemoryContext, candidates: list[StoredMessage], budget: int) -> list[StoredMessage]:
         recent = exchanges(candidates)[-self.exchanges :] if self.exchanges > 0 else []
-        return flatten(newest_that_fit(context, recent, budget))
+        return flatten(newest_that_fit(recent, budget, partial(self.cost, context)))
 
 
 @dataclass
@@ -65,21 +69,24 @@ class TokenBudget(MemoryStrategy):
     history_tokens: int = 2048
 
     def select(self, context: MemoryContext, candidates: list[StoredMessage], budget: int) -> list[StoredMessage]:
-        return flatten(newest_that_fit(context, exchanges(candidates), min(budget, self.history_tokens)))
+        budget = min(budget, self.history_tokens)
+        return flatten(newest_that_fit(exchanges(candidates), budget, partial(self.cost, context)))
 
 
 @dataclass
 class StablePrefix(MemoryStrategy):
     """Cache-aware: keep the history's start fixed until it passes `high` tokens, then drop old exchanges in
     one chunk down to `low`. Between drops each prompt extends the previous one token for token, so the
-    node's prefix cache keeps hitting; a drop costs one cold prefill of the remaining history."""
+    node's prefix cache keeps hitting; a drop costs one cold prefill of the remaining history. With
+    `recall_tokens`, that much of the budget is left for the recalled block (the window's blocks count
+    in the window)."""
 
-    high: int = 3000
-    low: int = 1500
+    high: float = 3000  # tokens; a float up to 1 is a share of the prompt's budget (as `low`, `recall_tokens`)
+    low: float = 1500
     prefix_stable = True
 
     def __post_init__(self) -> None:
-        if not 0 <= self.low <= self.high:
+        if not 0 <= tokens_of(self.low, 1 << 20) <= tokens_of(self.high, 1 << 20):
             raise ValueError(f"need 0 <= low <= high, got low={self.low}, high={self.high}")
 
     def select(self, context: MemoryContext, candidates: list[StoredMessage], budget: int) -> list[StoredMessage]:
@@ -87,9 +94,10 @@ class StablePrefix(MemoryStrategy):
         start = context.previous_first_id
         if start is not None:  # resume where the previous prompt started
             groups = [g for g in groups if g[-1].id >= start]
-        costs = [context.count_tokens(chat(g)) for g in groups]
-        if sum(costs) > min(self.high, budget):
-            target = min(self.low, budget)
+        costs = [self.cost(context, g) for g in groups]
+        budget = max(0, budget - tokens_of(self.recall_tokens, context.budget))
+        if sum(costs) > min(tokens_of(self.high, context.budget), budget):
+            target = min(tokens_of(self.low, context.budget), budget)
             while groups and sum(costs) > target:
                 groups.pop(0)
                 costs.pop(0)

@@ -1,8 +1,9 @@
-"""The assembly bridge with stored state: Postgres full-text retrieval and model-written summaries."""
+"""The assembly bridge with stored state: Postgres full-text retrieval, model-written summaries after a turn."""
 
 import pytest
 
-from chatapp.memory.assembly import turn_prompt, turn_record_prompt
+from chatapp.memory.assembly import turn_prompt, turn_record_prompt, turn_summarize
+from chatapp.memory.summaries import SUMMARY_TOKENS
 from chatapp.models import Message, Summary, Turn
 from chatapp.selectors import message_search
 from inference.engine import Sampling
@@ -30,40 +31,43 @@ def _conversation_with_turn(strategy: str, exchanges: int) -> Turn:
     return Turn.objects.create(conversation=conversation, user_message=question, strategy=strategy)
 
 
-def test_the_summary_strategy_has_the_model_summarise_dropped_turns_and_records_the_cost(db, engine, settings):
+def test_summaries_are_written_after_the_turn_in_chunks_that_fit_then_used_by_the_next_prompt(db, engine, settings):
     settings.CHAT_MEMORY_STRATEGIES = {
         "tiny_summary": {
             "BACKEND": "chatapp.memory.strategies.StablePrefix",
             "OPTIONS": {"high": 200, "low": 80, "summarize": True},
         }
     }
-    turn = _conversation_with_turn("tiny_summary", exchanges=8)
+    turn = _conversation_with_turn("tiny_summary", exchanges=100)
     prompt = turn_prompt(turn=turn, engine=engine, sampling=SHORT)
-
-    summary = Summary.objects.get(conversation=turn.conversation)
-    assert summary.text and summary.completion_tokens > 0 and summary.ms > 0
-    assert prompt.summary_cost == {
-        "prompt_tokens": summary.prompt_tokens,
-        "completion_tokens": summary.completion_tokens,
-        "ms": round(summary.ms, 1),
-    }
-    kinds = [s.kind for s in prompt.assembled.segments]
-    assert kinds.index("summary") < kinds.index("verbatim")
-    assert summary.through_message_id == max(prompt.assembled.summarized_ids)
-
+    assert not Summary.objects.exists()  # assembling never calls the model
+    assert prompt.assembled.dropped_ids and "summary" not in [s.kind for s in prompt.assembled.segments]
     turn_record_prompt(turn=turn, prompt=prompt, detokenize=engine.chat_format.display)
     turn.refresh_from_db()
-    assert turn.trace["summary_cost"]["completion_tokens"] == summary.completion_tokens
     assert turn.strategy_options == {"high": 200, "low": 80, "summarize": True}
     assert "<start_of_turn>user" in turn.prompt_text and len(turn.prompt_hash) == 32
-    assert len(prompt.tokens) == prompt.assembled.tokens + engine.chat_format.overhead
+
+    written = turn_summarize(turn=turn, engine=engine)
+
+    rows = list(Summary.objects.filter(conversation=turn.conversation).order_by("id"))
+    assert len(rows) >= 2 and len(written) == len(rows)  # 100 exchanges do not fit one summarising prompt
+    assert all(r.text and r.completion_tokens > 0 and r.ms > 0 for r in rows)
+    assert all(r.prompt_tokens + SUMMARY_TOKENS <= engine.n_ctx for r in rows)  # each summarising prompt fits
+    assert rows[0].first_message_id == min(prompt.assembled.dropped_ids)
+    assert max(r.through_message_id for r in rows) == max(prompt.assembled.dropped_ids)
 
     again = turn_prompt(turn=turn, engine=engine, sampling=SHORT)
-    assert Summary.objects.filter(conversation=turn.conversation).count() == 1  # nothing new to fold in
-    assert again.tokens == prompt.tokens
+    kinds = [s.kind for s in again.assembled.segments]
+    assert kinds.index("summary") < kinds.index("verbatim")
+    assert set(again.assembled.summarized_ids) == set(prompt.assembled.dropped_ids)
+    assert len(again.tokens) == again.assembled.tokens + engine.chat_format.overhead
+    assert turn_summarize(turn=turn, engine=engine) == written  # nothing new to fold in
+    assert Summary.objects.filter(conversation=turn.conversation).count() == len(rows)
 
 
-@pytest.mark.parametrize("alias", ["full", "window", "token_budget", "stable_prefix", "retrieval", "pinned"])
+@pytest.mark.parametrize(
+    "alias", ["full", "window", "token_budget", "stable_prefix", "retrieval", "pinned", "recall", "recall_cached"]
+)
 def test_every_configured_strategy_assembles_a_stored_conversation(db, engine, alias):
     turn = _conversation_with_turn(alias, exchanges=4)
     prompt = turn_prompt(turn=turn, engine=engine, sampling=SHORT)

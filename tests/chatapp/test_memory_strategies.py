@@ -7,7 +7,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from chatapp.memory.base import ContextOverflow, MemoryContext, MemoryStrategy, StoredMessage, StoredSummary
+from chatapp.memory.base import (
+    ContextOverflow,
+    MemoryContext,
+    MemoryStrategy,
+    StoredMessage,
+    StoredSummary,
+    current_summaries,
+)
 from chatapp.memory.registry import strategy_get
 from chatapp.memory.strategies import Full, StablePrefix, TokenBudget, Window
 from inference.chat_format import GemmaChatFormat
@@ -100,17 +107,29 @@ def test_retrieval_brings_back_a_dropped_message_that_matches(fmt):
     assert [s.kind for s in prompt.segments][-2:] == ["retrieved", "verbatim"]  # right before the new message
 
 
-def test_summary_asks_for_a_summary_of_dropped_turns_then_places_it_before_the_window(fmt):
+def test_summary_uses_the_stored_summaries_before_the_window_and_never_asks_for_one(fmt):
     messages = history(fmt, 12)
     strategy = StablePrefix(high=200, low=100, summarize=True)
-    request = strategy.assemble(context(fmt, messages))
-    assert request.summarize_ids and not request.segments
-    summary = StoredSummary("They talked about rivers.", through_message_id=max(request.summarize_ids))
+    unsummarised = strategy.assemble(context(fmt, messages))  # nothing stored yet: old turns are just dropped
+    assert unsummarised.dropped_ids and "summary" not in [s.kind for s in unsummarised.segments]
+    through = (unsummarised.first_verbatim_id or 0) - 1
+    summary = StoredSummary("They talked about rivers.", through_message_id=through, first_message_id=1)
     prompt = strategy.assemble(context(fmt, messages, summaries=[summary]))
-    assert not prompt.summarize_ids
     kinds = [s.kind for s in prompt.segments]
     assert kinds.index("summary") < kinds.index("verbatim")
-    assert set(prompt.summarized_ids) == set(request.summarize_ids)
+    assert set(prompt.summarized_ids) == set(range(1, through + 1))
+
+
+def test_a_roll_up_replaces_the_summaries_it_folds(fmt):
+    chunks = [StoredSummary("rivers", 4, 1), StoredSummary("mountains", 8, 5)]
+    rollup = StoredSummary("rivers and mountains", 8, 1)
+    assert current_summaries([*chunks, rollup]) == [rollup]
+    assert current_summaries([*chunks, rollup, StoredSummary("the sea", 12, 9)])[-1].text == "the sea"
+    prompt = StablePrefix(high=200, low=100, summarize=True).assemble(
+        context(fmt, history(fmt, 12), summaries=[*chunks, rollup])
+    )
+    summary_texts = [m.text for s in prompt.segments if s.kind == "summary" for m in s.messages]
+    assert summary_texts == ["Summary of earlier conversation: rivers and mountains"]
 
 
 def test_stable_prefix_rejects_inverted_watermarks():
@@ -120,7 +139,7 @@ def test_stable_prefix_rejects_inverted_watermarks():
 
 # Properties ----------------------------------------------------------------------
 
-ALIASES = ["full", "window", "token_budget", "stable_prefix", "retrieval", "pinned"]
+ALIASES = ["full", "window", "token_budget", "stable_prefix", "retrieval", "pinned", "recall", "recall_cached"]
 random_message = st.tuples(st.integers(1, 40), st.booleans(), st.booleans())  # words, pinned, excluded
 
 

@@ -1,10 +1,13 @@
 """One real turn: turn_start -> Celery -> node process -> llama.cpp -> Postgres and Redis."""
 
+import time
+
 import pytest
 from django.db import transaction
 
 from chatapp import services, streams
-from chatapp.models import Message, Turn
+from chatapp.memory.summaries import SUMMARY_TOKENS
+from chatapp.models import Message, Summary, Turn
 from tests.factories import ConversationFactory, MessageFactory
 from tests.helpers import wait_for_turn
 
@@ -89,3 +92,28 @@ def test_a_failed_turn_can_be_retried_and_then_succeeds(node):
     turn = wait_for_turn(turn)
     assert turn.status == Turn.Status.DONE and turn.attempt == 1 and turn.error == ""
     assert conversation.messages.filter(role=Message.Role.USER, content="Hello?").count() == 1
+
+
+def test_a_long_conversation_switched_to_summary_keeps_answering(node):
+    conversation = ConversationFactory.create()
+    for i in range(60):  # about 4,800 tokens: more than the node's whole 4,096-token context
+        role = Message.Role.USER if i % 2 == 0 else Message.Role.ASSISTANT
+        content = f"Day {i}: we walked along the river to the old mill, talked about books and ate apples. " * 4
+        MessageFactory.create(conversation=conversation, role=role, content=content)
+    services.conversation_set_strategy(conversation=conversation, strategy="summary")
+
+    first = wait_for_turn(services.turn_start(conversation=conversation, text="What did we talk about?"))
+    assert first.status == Turn.Status.DONE, first.error
+    # After the reply, the node summarises what the prompt dropped, in chunks that each fit its context.
+    last_dropped = max(first.trace["dropped"])
+    deadline = time.monotonic() + 240
+    while not Summary.objects.filter(conversation=conversation, through_message_id=last_dropped).exists():
+        assert time.monotonic() < deadline, "the node wrote no summary of the dropped turns"
+        time.sleep(0.5)
+    summaries = list(Summary.objects.filter(conversation=conversation))
+    assert len(summaries) > 1 and all(s.prompt_tokens + SUMMARY_TOKENS <= 4096 for s in summaries)
+
+    second = wait_for_turn(services.turn_start(conversation=conversation, text="And what did we eat?"))
+    assert second.status == Turn.Status.DONE, second.error
+    assert "summary" in [segment["kind"] for segment in second.trace["segments"]]
+    assert set(first.trace["dropped"]) <= set(second.trace["summarized"])
