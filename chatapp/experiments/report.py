@@ -135,15 +135,19 @@ TABLE_COLUMNS = [
 
 def table(report: dict) -> str:
     header = [title for _, title, _ in TABLE_COLUMNS]
-    lines = [[cell(row.get(key), fmt) for key, _, fmt in TABLE_COLUMNS] for row in report["runs"]]
-    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
+    return text_table(header, [[cell(row.get(key), fmt) for key, _, fmt in TABLE_COLUMNS] for row in report["runs"]])
+
+
+def text_table(header: list[str], rows: list[list[str]], *, left: int = 2) -> str:
+    """Fixed-width columns under a ruled header; the first `left` columns flush left, the rest right."""
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
 
     def join(cells: list[str]) -> str:
         return "  ".join(
-            c.rjust(w) if i > 1 else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+            c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))
         )
 
-    return "\n".join([join(header), join(["-" * w for w in widths]), *(join(line) for line in lines)])
+    return "\n".join([join(header), join(["-" * w for w in widths]), *(join(row) for row in rows)])
 
 
 def cell(value, fmt: str) -> str:
