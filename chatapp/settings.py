@@ -169,12 +169,12 @@ CHAT_MEMORY_STRATEGIES = {
         "BACKEND": "chatapp.memory.strategies.StablePrefix",
         "OPTIONS": {"high": 2560, "low": 1024, "pinned": True},
     },
-    # Earlier turns recalled by BM25 in a block before each new message, which stays there in later prompts
-    # (chatapp.memory.base); sizes as shares of the prompt's budget. `recall` gives most of the budget to
-    # the new block (most evidence, most computed), `recall_cached` most of it to the stable window.
+    # Earlier sittings' turns recalled by BM25 in a block before each new message, which stays there in later
+    # prompts (chatapp.memory.base); sizes as shares of the prompt's budget. `recall` gives the new block all
+    # that a small window leaves (most evidence, most computed), `recall_cached` most of it to the window.
     "recall": {
         "BACKEND": "chatapp.memory.strategies.StablePrefix",
-        "OPTIONS": {"high": 0.2, "low": 0.1, "recall_tokens": 0.8},
+        "OPTIONS": {"high": 0.2, "low": 0.1, "recall_tokens": 1.0},
     },
     "recall_cached": {
         "BACKEND": "chatapp.memory.strategies.StablePrefix",

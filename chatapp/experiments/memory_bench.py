@@ -1,8 +1,9 @@
 """Memory quality without a model: does the assembled prompt still hold the turns that answer a question?
 
 Each LoCoMo conversation is stored as a conversation; its questions are then asked one after another at
-its end, as new user messages in the same session. For every strategy and prompt budget, the real
-strategy code assembles each question's prompt with the model's tokenizer, and the question records:
+its end, as new user messages in the same conversation (a day after its last session, in one sitting).
+For every strategy and prompt budget, the real strategy code assembles each question's prompt with the
+model's tokenizer, and the question records:
 
 - evidence recall: the share of its evidence turns still in the prompt. A turn counts when its text
   (whitespace folded) is in the prompt's text, or when it was folded into a summary segment whose text
@@ -45,6 +46,8 @@ from inference.session_cache import common_prefix
 DRAGON = {"top-5": 0.567, "top-10": 0.662, "top-25": 0.767, "top-50 (~1,500 tokens)": 0.827}
 DRAGON_TOP50_TOKENS = 1500
 _porter = snowballstemmer.stemmer("porter")
+# The questions come a day after the conversation's last session, a second or two apart: a new sitting.
+QUESTIONS_AFTER = timedelta(days=1)
 
 
 @dataclass(frozen=True)
@@ -131,13 +134,14 @@ def run_questions(
     texts = {m.id: m.text for m in history}
     search = text_searcher(texts)
     next_id = max(m.id for m in history) + 1
+    asked = history[-1].sent_at + QUESTIONS_AFTER if history[-1].sent_at else None
     summaries: list[StoredSummary] = []
     recalled: dict[int, tuple[int, ...]] = {}
     previous: list[int] = []
     first_verbatim: int | None = None
     results = []
     for index, question in enumerate(stored.source.questions):
-        sent_at = history[-1].sent_at + timedelta(seconds=1) if history[-1].sent_at else None
+        sent_at = asked + timedelta(seconds=2 * index) if asked else None
         new = StoredMessage(next_id, "user", question.text, sent_at=sent_at)
         context = MemoryContext(
             history=list(history),

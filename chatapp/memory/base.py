@@ -133,6 +133,10 @@ class MemoryStrategy:
     recall_tokens: float = 0
     recall_neighbors: float = 0.3  # how much a turn's neighbours' match lifts it
     recall_session: float = 0.5  # how much the best match in a turn's session lifts it
+    # Recall quotes earlier sittings only (a sitting ends after this many minutes of silence); the current
+    # sitting is the window's, so a question asked a minute ago does not crowd out what was said last month.
+    # 0: every turn not in the prompt may be quoted.
+    recall_gap_minutes: float = 60
 
     prefix_stable = False  # consecutive prompts share their prefix except at rare, chunked drops
 
@@ -160,7 +164,8 @@ class MemoryStrategy:
             body.append(Segment("retrieved", tuple(chat(retrieved)), tuple(m.id for m in retrieved)))
             in_prompt |= {m.id for m in retrieved}
             left -= self._count(context, body[-1].messages)
-        recalled = self._recall(context, [m for m in eligible if m.id not in in_prompt], left)
+        earlier = [m for m in eligible if m.id not in in_prompt and self._before_this_sitting(context, m)]
+        recalled = self._recall(context, earlier, left)
         if recalled:
             body.append(self._recall_segment(context, recalled))
             in_prompt |= {m.id for m in recalled}
@@ -231,6 +236,10 @@ class MemoryStrategy:
                 found.append(by_id[message_id])
         return sorted(found, key=lambda m: m.id)
 
+    def _before_this_sitting(self, context: MemoryContext, message: StoredMessage) -> bool:
+        start = _sitting_start(context, self.recall_gap_minutes) if self.recall_gap_minutes else None
+        return start is None or message.sent_at is None or message.sent_at < start
+
     def _recall(self, context: MemoryContext, absent: list[StoredMessage], budget: int) -> list[StoredMessage]:
         """The best-ranked of the messages not in the prompt, as many as fit in `recall_tokens` and `budget`."""
         budget = min(budget, tokens_of(self.recall_tokens, context.budget))
@@ -276,6 +285,18 @@ class MemoryStrategy:
     @staticmethod
     def _count(context: MemoryContext, messages: Sequence[ChatMessage]) -> int:
         return context.count_tokens(messages) if messages else 0
+
+
+def _sitting_start(context: MemoryContext, gap_minutes: float) -> datetime | None:
+    """When the current sitting began: the newest message's time, walked back over gaps under `gap_minutes`."""
+    start = context.new_message.sent_at
+    if start is None:
+        return None
+    for message in reversed(context.history):
+        if message.sent_at is None or (start - message.sent_at).total_seconds() >= gap_minutes * 60:
+            break
+        start = min(start, message.sent_at)
+    return start
 
 
 def tokens_of(value: float, budget: int) -> int:

@@ -78,8 +78,7 @@ class StablePrefix(MemoryStrategy):
     """Cache-aware: keep the history's start fixed until it passes `high` tokens, then drop old exchanges in
     one chunk down to `low`. Between drops each prompt extends the previous one token for token, so the
     node's prefix cache keeps hitting; a drop costs one cold prefill of the remaining history. With
-    `recall_tokens`, that much of the budget is left for the recalled block (the window's blocks count
-    in the window)."""
+    `recall_tokens`, the recalled block takes what the window leaves (the window's own blocks count in it)."""
 
     high: float = 3000  # tokens; a float up to 1 is a share of the prompt's budget (as `low`, `recall_tokens`)
     low: float = 1500
@@ -95,7 +94,6 @@ class StablePrefix(MemoryStrategy):
         if start is not None:  # resume where the previous prompt started
             groups = [g for g in groups if g[-1].id >= start]
         costs = [self.cost(context, g) for g in groups]
-        budget = max(0, budget - tokens_of(self.recall_tokens, context.budget))
         if sum(costs) > min(tokens_of(self.high, context.budget), budget):
             target = min(tokens_of(self.low, context.budget), budget)
             while groups and sum(costs) > target:

@@ -2,6 +2,7 @@
 prompts, and the summary step's chunks and roll-ups."""
 
 import itertools
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -146,3 +147,21 @@ def test_a_roll_up_folds_the_summaries_once_they_pass_their_share(fmt):
     job = rollup_job(large, count, chunk_tokens=300)
     assert isinstance(job, SummaryJob) and (job.first_message_id, job.through_message_id) == (1, 20)
     assert count(job.transcript) <= 300
+
+
+def test_recall_quotes_earlier_sittings_not_the_one_going_on(fmt):
+    history = chat_history(30, {2: "My sister moved to Nairobi."})
+    now = START + timedelta(days=40)
+    asked = StoredMessage(61, "user", "Is my sister still in Nairobi?", sent_at=now - timedelta(minutes=5))
+    answer = StoredMessage(62, "assistant", "Yes, your sister lives in Nairobi.", sent_at=now - timedelta(minutes=4))
+    question = StoredMessage(63, "user", "Where does my sister live?", sent_at=now)
+    strategy = StablePrefix(high=0, low=0, recall_tokens=1.0)  # no window: what is sent is recalled
+
+    def recalled(gap: float) -> tuple[int, ...]:
+        context = MemoryContext(
+            history=[*history, asked, answer], new_message=question, budget=600, count_tokens=fmt.count
+        )
+        return replace(strategy, recall_gap_minutes=gap).assemble(context).recalled_ids
+
+    assert 5 in recalled(60) and not {61, 62} & set(recalled(60))  # five minutes ago is this sitting
+    assert {5, 61, 62} <= set(recalled(0))  # with no sittings, anything not in the prompt may come back
