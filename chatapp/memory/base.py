@@ -133,6 +133,7 @@ class MemoryStrategy:
     recall_tokens: float = 0
     recall_neighbors: float = 0.3  # how much a turn's neighbours' match lifts it
     recall_session: float = 0.5  # how much the best match in a turn's session lifts it
+    recall_speaker: float = 0.2  # how much a turn is lifted when the new message names its speaker
     # Recall quotes earlier sittings only (a sitting ends after this many minutes of silence); the current
     # sitting is the window's, so a question asked a minute ago does not crowd out what was said last month.
     # 0: every turn not in the prompt may be quoted.
@@ -245,9 +246,15 @@ class MemoryStrategy:
         budget = min(budget, tokens_of(self.recall_tokens, context.budget))
         if budget <= 0 or not absent:
             return []
-        documents = [lexical.Document(m.id, f"{_speaker(context, m)} {m.text}", _day(m)) for m in absent]
+        documents = [
+            lexical.Document(m.id, f"{_speaker(context, m)} {m.text}", _day(m), _speaker(context, m)) for m in absent
+        ]
         ranked = lexical.rank(
-            context.new_message.text, documents, neighbors=self.recall_neighbors, session=self.recall_session
+            context.new_message.text,
+            documents,
+            neighbors=self.recall_neighbors,
+            session=self.recall_session,
+            speaker=self.recall_speaker,
         )
         by_id = {m.id: m for m in absent}
         chosen: list[StoredMessage] = []

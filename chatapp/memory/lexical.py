@@ -48,6 +48,7 @@ class Document:
     key: int
     text: str  # what is indexed (the speaker's name and the message)
     group: Hashable = None  # turns in one group (a session) lift each other's scores
+    speaker: str = ""
 
 
 def bm25_scores(documents: Sequence[Counter[str]], query: Sequence[str], *, k1: float = 1.2, b: float = 0.75):
@@ -65,11 +66,15 @@ def bm25_scores(documents: Sequence[Counter[str]], query: Sequence[str], *, k1: 
     return scores
 
 
-def rank(query: str, documents: Sequence[Document], *, neighbors: float, session: float) -> list[int]:
+def rank(
+    query: str, documents: Sequence[Document], *, neighbors: float, session: float, speaker: float = 0.0
+) -> list[int]:
     """Keys of `documents` (in conversation order) that share a word with `query`, best first.
 
-    A turn's score is its BM25 score, plus `neighbors` times each adjacent turn's in the same group (an
-    answer often sits next to the turn that matches), plus `session` times the best score in its group.
+    A turn's score is its BM25 score (scaled so the best is 1), plus `neighbors` times each adjacent turn's
+    in the same group (an answer often sits next to the turn that matches), plus `session` times the best
+    score in its group, plus `speaker` when the query names one speaker and the turn is theirs (a question
+    about Melanie is mostly answered by what Melanie said).
     """
     query_terms = terms(query)
     if not documents or not query_terms:
@@ -82,9 +87,12 @@ def rank(query: str, documents: Sequence[Document], *, neighbors: float, session
     best: dict[Hashable, float] = defaultdict(float)
     for document, score in zip(documents, raw, strict=True):
         best[document.group] = max(best[document.group], score)
+    words = set(_WORD.findall(query.lower()))
+    named = {d.speaker for d in documents if d.speaker and set(_WORD.findall(d.speaker.lower())) <= words}
+    about = named.pop() if len(named) == 1 else None
     scored = []
     for i, document in enumerate(documents):
-        score = raw[i] + session * best[document.group]
+        score = raw[i] + session * best[document.group] + (speaker if about and document.speaker == about else 0)
         for j in (i - 1, i + 1):
             if 0 <= j < len(documents) and documents[j].group == document.group:
                 score += neighbors * raw[j]

@@ -63,6 +63,15 @@ def test_rank_puts_the_matching_turn_first_and_lifts_its_neighbours():
     assert lexical.rank("the of and", documents, neighbors=0.3, session=0.5) == []
 
 
+def test_rank_lifts_the_turns_of_the_speaker_a_question_names():
+    documents = [
+        lexical.Document(1, "I love painting", group=1, speaker="Caroline"),
+        lexical.Document(2, "I love pottery", group=2, speaker="Melanie"),
+    ]
+    assert lexical.rank("What does Melanie love?", documents, neighbors=0, session=0, speaker=0.2) == [2, 1]
+    assert lexical.rank("What does Melanie love?", documents, neighbors=0, session=0, speaker=0) == [1, 2]
+
+
 def test_the_recalled_block_quotes_the_evidence_with_names_and_dates(fmt):
     history = chat_history(40, {3: "My sister moved to Nairobi last spring."})
     question = StoredMessage(81, "user", "Where does my sister live?", sent_at=START + timedelta(days=41))
