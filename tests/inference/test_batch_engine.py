@@ -53,12 +53,19 @@ def test_follow_up_prefills_only_the_new_turn(engine):
     assert not follow_up.restored
 
 
-def test_greedy_output_is_the_same_whether_reused_restored_or_recomputed(engine):
+def test_greedy_output_is_the_same_whether_reused_or_restored_and_recomputing_is_deterministic(engine):
+    """A restored session continues exactly as if it had stayed resident, and a cold prefill always gives
+    the same reply. A cold prefill need not match the warm reply token for token: the warm session computed
+    its previous reply one token at a time, and on some CPUs (this project's CI machines have AVX-512 and
+    AMX) llama.cpp's batched kernels round differently from its one-row kernels, which flips near-ties of
+    the 270M model (seen here: the first token differed; with one-token steps all three agree)."""
     _, _, prompt2 = _two_turns(engine, "reused", QUESTIONS[1])
     reused = engine.generate(session_key="reused", prompt=prompt2, sampling=GREEDY)
 
     recomputed = engine.generate(session_key="cold", prompt=prompt2, sampling=GREEDY)
-    assert recomputed.cached_tokens == 0
+    again = engine.generate(session_key="cold-again", prompt=prompt2, sampling=GREEDY)
+    assert recomputed.cached_tokens == again.cached_tokens == 0
+    assert recomputed.token_ids == again.token_ids
 
     _two_turns(engine, "spilled", QUESTIONS[1])
     _spill_everything(engine, "restore")
@@ -66,8 +73,8 @@ def test_greedy_output_is_the_same_whether_reused_restored_or_recomputed(engine)
     assert restored.restored and restored.cached_tokens > 0
 
     assert reused.cached_tokens > 0
-    assert reused.token_ids == recomputed.token_ids == restored.token_ids
-    assert reused.text == recomputed.text == restored.text
+    assert reused.token_ids == restored.token_ids
+    assert reused.text == restored.text
 
 
 def test_interleaved_sessions_produce_what_each_produces_alone(engine):
