@@ -19,28 +19,25 @@ a plausible length; `--answer` asks the model itself (`answer_sample`).
 import random
 import re
 import string
-import time
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import timedelta
 from statistics import mean, median
 
 import snowballstemmer
-from django.conf import settings
 from django.contrib.auth.models import User
 
 from chatapp import services
 from chatapp.experiments.locomo import CATEGORIES, LocomoConversation, LocomoQuestion
-from chatapp.experiments.replay import RunSpec, text_searcher
+from chatapp.experiments.model_free import ModelFreeSession
+from chatapp.experiments.replay import RunSpec
 from chatapp.experiments.report import percentile
 from chatapp.memory.assembly import names_of, stored_message
-from chatapp.memory.base import AssembledPrompt, ContextOverflow, MemoryContext, StoredMessage, StoredSummary
+from chatapp.memory.base import AssembledPrompt, StoredMessage
 from chatapp.memory.registry import strategy_get
-from chatapp.memory.summaries import stand_in_writer, summaries_bring_up_to_date
 from chatapp.models import Conversation
 from inference.chat_format import GemmaChatFormat
-from inference.session_cache import common_prefix
 
 # The LoCoMo paper's DRAGON retriever over dialog turns: evidence recall at top-k (Table 4).
 DRAGON = {"top-5": 0.567, "top-10": 0.662, "top-25": 0.767, "top-50 (~1,500 tokens)": 0.827}
@@ -126,69 +123,31 @@ def run_questions(
     keep_prompts: Iterable[int] = (),
 ) -> list[QuestionResult]:
     """Ask every question of `stored` in order under one strategy and budget (see the module's docstring);
-    the prompts of the questions indexed in `keep_prompts` are kept (for `answer_sample`)."""
-    strategy = strategy_get(spec.strategy, spec.options)
+    the prompts of the questions indexed in `keep_prompts` are kept (for `answer_questions`)."""
     keep = set(keep_prompts)
-    write_summary = stand_in_writer(fmt)
-    history = list(stored.history)
-    texts = {m.id: m.text for m in history}
-    search = text_searcher(texts)
-    next_id = max(m.id for m in history) + 1
-    asked = history[-1].sent_at + QUESTIONS_AFTER if history[-1].sent_at else None
-    summaries: list[StoredSummary] = []
-    recalled: dict[int, tuple[int, ...]] = {}
-    previous: list[int] = []
-    first_verbatim: int | None = None
+    strategy = strategy_get(spec.strategy, spec.options)
+    run = ModelFreeSession(strategy, fmt, budget, list(stored.history), stored.names)
+    next_id = max(m.id for m in stored.history) + 1
+    last = stored.history[-1].sent_at
     results = []
     for index, question in enumerate(stored.source.questions):
-        sent_at = asked + timedelta(seconds=2 * index) if asked else None
+        sent_at = last + QUESTIONS_AFTER + timedelta(seconds=2 * index) if last else None
         new = StoredMessage(next_id, "user", question.text, sent_at=sent_at)
-        context = MemoryContext(
-            history=list(history),
-            new_message=new,
-            budget=budget,
-            count_tokens=fmt.count,
-            system_prompt=settings.CHAT_SYSTEM_PROMPT,
-            summaries=list(summaries),
-            previous_first_id=first_verbatim,
-            search=search,
-            recalled=dict(recalled),
-            names=stored.names,
-        )
-        evidence = [stored.message_of[i] for i in question.evidence if i in stored.message_of]
-        result = QuestionResult(stored.source.sample_id, index, question.category, None, 0, 0, 0.0)
-        started = time.perf_counter()
-        try:
-            assembled = strategy.assemble(context)
-        except ContextOverflow:
-            assembled = None
-        result.assembly_ms = (time.perf_counter() - started) * 1000
-        reply = StoredMessage(next_id + 1, "assistant", question.answer, tuple(fmt.text_tokens(question.answer)))
-        history += [new, replace(reply, sent_at=sent_at)]
-        texts.update({new.id: new.text, reply.id: reply.text})
+        answer_ids = tuple(fmt.text_tokens(question.answer))
+        reply = StoredMessage(next_id + 1, "assistant", question.answer, answer_ids, sent_at=sent_at)
         next_id += 2
-        results.append(result)
-        if assembled is None:  # the strategy refused (Full over its budget): nothing of the evidence is sent
+        turn = run.turn(new, reply)
+        evidence = [stored.message_of[i] for i in question.evidence if i in stored.message_of]
+        result = QuestionResult(stored.source.sample_id, index, question.category, None, 0, 0, turn.assembly_ms)
+        if turn.assembled is None:  # the strategy refused (Full over its budget): none of the evidence is sent
             result.failed = True
             result.recall = 0.0 if evidence else None
-            continue
-        prompt = fmt.render(assembled.messages())
-        result.recall = evidence_recall(assembled, evidence, question.answer)
-        result.prompt_tokens = len(prompt)
-        result.computed_tokens = len(prompt) - common_prefix(previous, prompt)
-        result.prompt = prompt if index in keep else []
-        previous = [*prompt, *(reply.token_ids or ())]
-        first_verbatim = assembled.first_verbatim_id
-        recalled[new.id] = assembled.recalled_ids
-        if strategy.summarize:
-            summaries = summaries_bring_up_to_date(
-                history=history,
-                window_start=first_verbatim or 0,
-                summaries=summaries,
-                count_text=lambda text: len(fmt.text_tokens(text)),
-                write=write_summary,
-                names=stored.names,
-            )
+        else:
+            result.recall = evidence_recall(turn.assembled, evidence, question.answer)
+            result.prompt_tokens = len(turn.prompt)
+            result.computed_tokens = len(turn.prompt) - turn.reusable
+            result.prompt = turn.prompt if index in keep else []
+        results.append(result)
     return results
 
 

@@ -14,20 +14,18 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from django.conf import settings
 from django.contrib.auth.models import User
 from django.db import close_old_connections, connection
 from django.utils import timezone
 
 from chatapp import services, streams
+from chatapp.experiments.model_free import ModelFreeSession
 from chatapp.experiments.models import ReplayTurn, Run
 from chatapp.experiments.probes import recalled
 from chatapp.experiments.sources import ReplaySession
-from chatapp.memory.base import ContextOverflow, MemoryContext, MemoryStrategy, StoredMessage, StoredSummary
+from chatapp.memory.base import MemoryStrategy, StoredMessage
 from chatapp.memory.registry import strategy_get
-from chatapp.memory.summaries import stand_in_writer, summaries_bring_up_to_date
 from chatapp.models import Turn
-from chatapp.selectors import text_search
 from inference.config import EngineConfig
 from inference.session_cache import common_prefix
 from inference.tokenizer import chat_format_for
@@ -199,71 +197,30 @@ def _start_when_not_busy(conversation, text, sampling, policy) -> Turn:
 
 
 def dry_turns(strategy: MemoryStrategy, session: ReplaySession, *, max_tokens: int) -> Iterator[dict]:
-    """Each turn's assembly figures (ReplayTurn fields), with the recorded replies standing in for the model's.
-
-    Summaries (strategies with `summarize`) cannot be written without the model: stand-ins of the right
-    size take their place (`summaries.stand_in_writer`), written after each turn as the node would.
-    """
+    """Each turn's assembly figures (ReplayTurn fields), with the recorded replies standing in for the model's
+    (and stand-in summaries, `model_free`)."""
     config = EngineConfig()
     fmt = chat_format_for(config.MODEL_PATH)
-    budget = config.N_CTX - max_tokens - fmt.overhead
+    run = ModelFreeSession(strategy, fmt, budget=config.N_CTX - max_tokens - fmt.overhead)
     ids = itertools.count(1)
-    write_summary = stand_in_writer(fmt)
-    history: list[StoredMessage] = []
-    summaries: list[StoredSummary] = []
-    previous: list[int] | None = None
-    first_verbatim: int | None = None
     for text, reply_text in zip(session.user_messages, session.replies, strict=True):
         new = StoredMessage(next(ids), "user", text)
-        context = MemoryContext(
-            history=list(history),
-            new_message=new,
-            budget=budget,
-            count_tokens=fmt.count,
-            system_prompt=settings.CHAT_SYSTEM_PROMPT,
-            summaries=list(summaries),
-            previous_first_id=first_verbatim,
-            search=text_searcher({m.id: m.text for m in history}),
-        )
-        try:
-            assembled = strategy.assemble(context)
-        except ContextOverflow as exc:
-            history.append(new)
-            yield {"status": Turn.Status.FAILED, "error": str(exc), "reply": ""}
+        reply = StoredMessage(next(ids), "assistant", reply_text, tuple(fmt.text_tokens(reply_text)))
+        before = len(run.previous)  # the previous prompt and reply
+        turn = run.turn(new, reply)
+        if turn.assembled is None:
+            yield {"status": Turn.Status.FAILED, "error": turn.error, "reply": ""}
             continue
-        prompt = fmt.render(assembled.messages())
-        reply_ids = tuple(fmt.text_tokens(reply_text))
-        reusable = common_prefix(previous, prompt) if previous else 0
         yield {
             "status": Turn.Status.DONE,
-            "prompt_tokens": len(prompt),
-            "cached_tokens": reusable,
-            "reusable_tokens": reusable,
-            "completion_tokens": len(reply_ids),
-            "dropped_messages": len(assembled.dropped_ids),
-            "prefix_break": previous is not None and reusable < len(previous),
+            "prompt_tokens": len(turn.prompt),
+            "cached_tokens": turn.reusable,
+            "reusable_tokens": turn.reusable,
+            "completion_tokens": len(reply.token_ids or ()),
+            "dropped_messages": len(turn.assembled.dropped_ids),
+            "prefix_break": before > 0 and turn.reusable < before,
             "reply": reply_text,
         }
-        history += [new, StoredMessage(next(ids), "assistant", reply_text, reply_ids)]
-        previous = [*prompt, *reply_ids]
-        first_verbatim = assembled.first_verbatim_id
-        if strategy.summarize:
-            summaries = summaries_bring_up_to_date(
-                history=history,
-                window_start=assembled.first_verbatim_id or 0,
-                summaries=summaries,
-                count_text=lambda text: len(fmt.text_tokens(text)),
-                write=write_summary,
-            )
-
-
-def text_searcher(texts: dict[int, str]) -> Callable[[str, Sequence[int]], list[int]]:
-    """The live full-text search, over the dry run's unstored history."""
-
-    def search(query: str, ids: Sequence[int]) -> list[int]:
-        return text_search(query=query, texts={i: texts[i] for i in ids})
-
-    return search
 
 
 def replay_dry(
