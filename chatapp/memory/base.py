@@ -165,8 +165,7 @@ class MemoryStrategy:
             body.append(Segment("retrieved", tuple(chat(retrieved)), tuple(m.id for m in retrieved)))
             in_prompt |= {m.id for m in retrieved}
             left -= self._count(context, body[-1].messages)
-        earlier = [m for m in eligible if m.id not in in_prompt and self._before_this_sitting(context, m)]
-        recalled = self._recall(context, earlier, left)
+        recalled = self._recall(context, [m for m in eligible if m.id not in in_prompt], left)
         if recalled:
             body.append(self._recall_segment(context, recalled))
             in_prompt |= {m.id for m in recalled}
@@ -237,15 +236,15 @@ class MemoryStrategy:
                 found.append(by_id[message_id])
         return sorted(found, key=lambda m: m.id)
 
-    def _before_this_sitting(self, context: MemoryContext, message: StoredMessage) -> bool:
-        start = _sitting_start(context, self.recall_gap_minutes) if self.recall_gap_minutes else None
-        return start is None or message.sent_at is None or message.sent_at < start
-
     def _recall(self, context: MemoryContext, absent: list[StoredMessage], budget: int) -> list[StoredMessage]:
-        """The best-ranked of the messages not in the prompt, as many as fit in `recall_tokens` and `budget`."""
+        """The best-ranked of the messages not in the prompt and from earlier sittings, as many as fit in
+        `recall_tokens` and `budget`."""
         budget = min(budget, tokens_of(self.recall_tokens, context.budget))
         if budget <= 0 or not absent:
             return []
+        start = _sitting_start(context, self.recall_gap_minutes) if self.recall_gap_minutes else None
+        if start is not None:
+            absent = [m for m in absent if m.sent_at is None or m.sent_at < start]
         documents = [
             lexical.Document(m.id, f"{_speaker(context, m)} {m.text}", _day(m), _speaker(context, m)) for m in absent
         ]
