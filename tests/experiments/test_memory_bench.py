@@ -220,3 +220,18 @@ def test_bench_memory_refuses_bad_arguments(db, locomo_file, tmp_path):
         call_command("bench_memory", "--file", str(locomo_file), "--strategies", "nope")
     with pytest.raises(CommandError, match="at least one budget"):
         call_command("bench_memory", "--file", str(locomo_file), "--budgets", "10")
+
+
+def test_bench_memory_has_the_model_answer_a_sample_and_scores_it(db, locomo_file, tmp_path, capsys):
+    out = tmp_path / "answers"
+    call_command(
+        "bench_memory",
+        *("--file", str(locomo_file), "--strategies", "recall", "--budgets", "600"),
+        *("--answer", "2", "--answer-tokens", "8", "--out", str(out), "--json"),
+    )
+    [run] = json.loads(capsys.readouterr().out)["runs"]
+    answers = json.loads((out / "answers.json").read_text())
+    assert run["answered"] == len(answers) == 2
+    assert all(a["strategy"] == "recall" and a["category"] in (1, 2, 3, 4) for a in answers)
+    assert all(0.0 <= a["f1"] <= 1.0 and isinstance(a["reply"], str) for a in answers)
+    assert run["answer_f1"] == pytest.approx(sum(a["f1"] for a in answers) / 2, abs=1e-4)
