@@ -84,9 +84,18 @@ class UserFactAdmin(admin.ModelAdmin):
 
 @admin.register(Summary)
 class SummaryAdmin(admin.ModelAdmin):
-    list_display = ("id", "conversation", "through_message", "prompt_tokens", "completion_tokens", "ms", "created_at")
+    list_display = (
+        "id",
+        "conversation",
+        "first_message",
+        "through_message",
+        "prompt_tokens",
+        "completion_tokens",
+        "ms",
+        "created_at",
+    )
     search_fields = ("text",)
-    raw_id_fields = ("conversation", "through_message")
+    raw_id_fields = ("conversation", "first_message", "through_message")
 
 
 @admin.register(ApiKey)
