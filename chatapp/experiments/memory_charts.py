@@ -21,15 +21,22 @@ def _png(figure: Figure) -> bytes:
     return buffer.getvalue()
 
 
+def _colors(report: dict) -> dict[str, str]:
+    """One colour a strategy, the same in every chart."""
+    names = list(dict.fromkeys(run["strategy"] for run in report["runs"]))
+    return {name: f"C{i % 10}" for i, name in enumerate(names)}
+
+
 def recall_by_budget(report: dict) -> bytes:
     """Evidence recall against the prompt budget, a line per strategy, with DRAGON's top-50 for reference."""
     figure, ax = _figure("LoCoMo evidence recall against prompt budget")
     lines: dict[str, list[tuple[int, float]]] = defaultdict(list)
     for run in report["runs"]:
         lines[run["strategy"]].append((run["budget"], run["recall"] or 0.0))
+    colors = _colors(report)
     for name, points in lines.items():
         points.sort()
-        ax.plot([b for b, _ in points], [r for _, r in points], marker="o", label=name)
+        ax.plot([b for b, _ in points], [r for _, r in points], marker="o", label=name, color=colors[name])
     ax.scatter([DRAGON_TOP50_TOKENS], [DRAGON["top-50 (~1,500 tokens)"]], marker="*", s=120, color="black")
     ax.annotate(
         "DRAGON top-50",
@@ -46,22 +53,21 @@ def recall_by_budget(report: dict) -> bytes:
 
 
 def recall_by_computed(report: dict) -> bytes:
-    """Evidence recall against the median tokens each question had to compute: what quality costs."""
+    """Evidence recall against the median tokens each question had to compute, a line per strategy through
+    its budgets: what quality costs with a warm cache."""
     figure, ax = _figure("LoCoMo evidence recall against computed tokens per question")
+    lines: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for run in report["runs"]:
-        if run["computed_tokens_median"] is None:
-            continue
-        ax.scatter(run["computed_tokens_median"], run["recall"] or 0.0, s=30)
-        ax.annotate(
-            f"{run['strategy']} @{run['budget']}",
-            (run["computed_tokens_median"], run["recall"] or 0.0),
-            xytext=(4, 3),
-            textcoords="offset points",
-            fontsize="x-small",
-        )
-    ax.set_xlabel("computed tokens per question (median; a warm cache reuses the rest)")
+        if run["computed_tokens_median"] is not None:
+            lines[run["strategy"]].append((run["computed_tokens_median"], run["recall"] or 0.0))
+    colors = _colors(report)
+    for name, points in lines.items():
+        points.sort()
+        ax.plot([c for c, _ in points], [r for _, r in points], marker="o", label=name, color=colors[name])
+    ax.set_xlabel("computed tokens per question (median, over the budgets; a warm cache reuses the rest)")
     ax.set_ylabel("share of evidence turns in the prompt")
     ax.set_ylim(0, 1.02)
+    ax.legend(fontsize="small")
     return _png(figure)
 
 
