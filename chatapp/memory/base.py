@@ -213,7 +213,7 @@ class MemoryStrategy:
             return [Segment("verbatim", tuple(chat(messages)), tuple(m.id for m in messages))] if messages else []
         segments: list[Segment] = []
         run: list[StoredMessage] = []
-        by_id = {m.id: m for m in context.history}
+        by_id = {m.id: m for m in context.history if not m.excluded}  # excluded since: no longer quoted
         for message in messages:
             quoted = [by_id[i] for i in context.recalled.get(message.id, ()) if i in by_id]
             if quoted:

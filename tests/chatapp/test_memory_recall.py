@@ -174,3 +174,26 @@ def test_recall_quotes_earlier_sittings_not_the_one_going_on(fmt):
 
     assert 5 in recalled(60) and not {61, 62} & set(recalled(60))  # five minutes ago is this sitting
     assert {5, 61, 62} <= set(recalled(0))  # with no sittings, anything not in the prompt may come back
+
+
+def test_a_message_excluded_after_it_was_recalled_is_no_longer_quoted(fmt):
+    history = chat_history(30, {2: "My sister moved to Nairobi."})
+    question = StoredMessage(61, "user", "Where does my sister live?", sent_at=START + timedelta(days=40))
+    reply = StoredMessage(62, "assistant", "In Nairobi.", sent_at=START + timedelta(days=40))
+    later = StoredMessage(63, "user", "Thanks!", sent_at=START + timedelta(days=40, minutes=1))
+    strategy = StablePrefix(high=0.9, low=0.5, recall_tokens=0.3)
+
+    def prompt(messages: list[StoredMessage]):
+        context = MemoryContext(
+            history=[*messages, question, reply],
+            new_message=later,
+            budget=900,
+            count_tokens=fmt.count,
+            previous_first_id=41,
+            recalled={61: (5,)},
+        )
+        return strategy.assemble(context)
+
+    assert 5 in prompt(history).kept_ids  # the block rides in front of its question
+    excluded = [replace(m, excluded=True) if m.id == 5 else m for m in history]
+    assert 5 not in prompt(excluded).kept_ids
