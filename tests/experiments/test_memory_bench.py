@@ -220,6 +220,8 @@ def test_bench_memory_refuses_bad_arguments(db, locomo_file, tmp_path):
         call_command("bench_memory", "--file", str(locomo_file), "--strategies", "nope")
     with pytest.raises(CommandError, match="at least one budget"):
         call_command("bench_memory", "--file", str(locomo_file), "--budgets", "10")
+    with pytest.raises(CommandError, match="no conversation to measure"):
+        call_command("bench_memory", "--file", str(locomo_file), "--conversations", "0")
 
 
 def test_bench_memory_has_the_model_answer_a_sample_and_scores_it(db, locomo_file, tmp_path, capsys):

@@ -56,6 +56,8 @@ class Command(BaseCommand):
             conversations = locomo_read(options["file"])[: options["conversations"]]
         except (ValueError, SourceError) as exc:
             raise CommandError(str(exc)) from exc
+        if not conversations:
+            raise CommandError(f"{options['file']}: no conversation to measure (see --conversations).")
         if not budgets or min(budgets) < 64:
             raise CommandError("Give at least one budget of 64 tokens or more, as in --budgets 2048,3072.")
         config = EngineConfig()
