@@ -21,6 +21,7 @@ import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from functools import cached_property
 from typing import Literal
 
 from chatapp.memory import lexical
@@ -80,6 +81,11 @@ class MemoryContext:
     # For each earlier user message, the messages its own turn recalled in front of it (turn traces).
     recalled: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
     names: Mapping[str, str] = field(default_factory=lambda: {"user": "User", "assistant": "Assistant"})
+
+    @cached_property
+    def quotable(self) -> dict[int, StoredMessage]:
+        """The history that may be quoted, by id (excluded messages never are); built once per prompt."""
+        return {m.id: m for m in self.history if not m.excluded}
 
 
 @dataclass(frozen=True)
@@ -213,9 +219,8 @@ class MemoryStrategy:
             return [Segment("verbatim", tuple(chat(messages)), tuple(m.id for m in messages))] if messages else []
         segments: list[Segment] = []
         run: list[StoredMessage] = []
-        by_id = {m.id: m for m in context.history if not m.excluded}  # excluded since: no longer quoted
         for message in messages:
-            quoted = [by_id[i] for i in context.recalled.get(message.id, ()) if i in by_id]
+            quoted = [context.quotable[i] for i in context.recalled.get(message.id, ()) if i in context.quotable]
             if quoted:
                 if run:
                     segments.append(Segment("verbatim", tuple(chat(run)), tuple(m.id for m in run)))
