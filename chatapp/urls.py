@@ -2,7 +2,9 @@ from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import include, path
 
-from chatapp.login_limits import RateLimitedLoginView
+from chatapp.login_limits import RateLimitedAdminAuthenticationForm, RateLimitedLoginView
+
+admin.site.login_form = RateLimitedAdminAuthenticationForm
 
 urlpatterns = [
     path("admin/", admin.site.urls),

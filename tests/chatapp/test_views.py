@@ -9,8 +9,10 @@ import pytest
 from asgiref.sync import async_to_sync
 from django.urls import reverse
 
-from chatapp import services, streams
+from chatapp import streams
 from chatapp.models import Conversation, Message, Turn, UserFact
+from chatapp.turns import admission
+from chatapp.validation import TurnRejected
 from tests.factories import ConversationFactory, UserFactory
 from tests.helpers import wait_for_turn
 
@@ -81,7 +83,7 @@ def test_pages_need_a_login(client, user):
 
 def test_another_users_conversation_is_404_on_every_url(client, user, other_user, idle_node):
     conversation = ConversationFactory.create(owner=user)
-    turn = services.turn_start(conversation=conversation, text="private")
+    turn = admission.turn_start(conversation=conversation, text="private")
     client.force_login(other_user)
     fact = UserFact.objects.create(owner=user, text="private fact")
     c, t, m = conversation.pk, turn.pk, turn.user_message_id
@@ -111,7 +113,7 @@ def test_another_users_conversation_is_404_on_every_url(client, user, other_user
 
 def test_admin_shows_a_session_with_its_messages_and_turns(admin_client, idle_node):
     conversation = ConversationFactory.create()
-    turn = services.turn_start(conversation=conversation, text="inspect me")
+    turn = admission.turn_start(conversation=conversation, text="inspect me")
     conversation_url = reverse("admin:chatapp_conversation_change", args=[conversation.pk])
     turn_url = reverse("admin:chatapp_turn_change", args=[turn.pk])
     expectations = {
@@ -152,7 +154,7 @@ def test_unreachable_services_fail_fast_with_one_line(variable, value, expected)
 def test_pin_exclude_and_switch_strategy(client, user, idle_node):
     client.force_login(user)
     conversation = ConversationFactory.create(owner=user, strategy="window")
-    message = services.turn_start(conversation=conversation, text="My sister lives in Nairobi.").user_message
+    message = admission.turn_start(conversation=conversation, text="My sister lives in Nairobi.").user_message
     url = reverse("chat:message_flags", args=[conversation.pk, message.pk])
     response = client.post(url, {"action": "pin"}, **HTMX)
     assert response.status_code == 200 and "Unpin" in response.content.decode()
@@ -186,7 +188,7 @@ def test_saved_facts_add_edit_delete_and_remember_that(client, user, idle_node):
     client.post(reverse("chat:fact_delete", args=[fact.pk]))
     assert not UserFact.objects.exists()
 
-    services.turn_start(
+    admission.turn_start(
         conversation=ConversationFactory.create(owner=user), text="Remember that my cat is called Miso."
     )
     assert list(UserFact.objects.values_list("text", flat=True)) == ["my cat is called Miso."]
@@ -195,8 +197,8 @@ def test_saved_facts_add_edit_delete_and_remember_that(client, user, idle_node):
 def test_a_message_too_long_for_the_context_is_refused_before_it_is_stored(db, idle_node, settings):
     settings.CHAT_MAX_MESSAGE_CHARS = 100_000
     conversation = ConversationFactory.create()
-    with pytest.raises(services.TurnRejected, match="does not fit the model's 4,096-token context"):
-        services.turn_start(conversation=conversation, text=" ".join(f"w{i}" for i in range(5000)))
+    with pytest.raises(TurnRejected, match="does not fit the model's 4,096-token context"):
+        admission.turn_start(conversation=conversation, text=" ".join(f"w{i}" for i in range(5000)))
     assert not Message.objects.exists()
 
 
@@ -204,16 +206,3 @@ def test_pages_carry_a_content_security_policy(client, user):
     client.force_login(user)
     policy = client.get(reverse("chat:conversation_list"))["Content-Security-Policy"]
     assert "script-src 'self'" in policy and "frame-ancestors 'none'" in policy and "unsafe-inline" not in policy
-
-
-def test_repeated_failed_logins_lock_the_account_for_a_while(client, user):
-    streams.client().delete(f"login-failures:user:{user.username}", "login-failures:addr:127.0.0.1")
-    for _ in range(5):
-        response = client.post(reverse("login"), {"username": user.username, "password": "wrong"})
-        assert "Please enter a correct username and password" in response.content.decode()
-    response = client.post(reverse("login"), {"username": user.username, "password": "correct horse battery staple"})
-    assert response.status_code == 200 and "Too many failed logins" in response.content.decode()
-    assert "_auth_user_id" not in client.session
-    streams.client().delete(f"login-failures:user:{user.username}", "login-failures:addr:127.0.0.1")
-    response = client.post(reverse("login"), {"username": user.username, "password": "correct horse battery staple"})
-    assert response.status_code == 302
