@@ -64,7 +64,7 @@ class RateLimitedModelBackend(ModelBackend):
             return super().authenticate(request, username=username, password=password, **kwargs)
         if not attempt_allowed(username, request):
             if request is not None:
-                request.login_refused = True  # type: ignore[attr-defined]
+                request.login_refused = True  # read by the form, for its message
             raise PermissionDenied("too many login attempts")  # authenticate() stops at once
         user = super().authenticate(request, username=username, password=password, **kwargs)
         if user is not None:  # a success is not held against the username, nor its address
