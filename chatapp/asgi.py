@@ -3,8 +3,12 @@ import os
 from django.core.asgi import get_asgi_application
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "chatapp.settings")
-application = get_asgi_application()
+django_application = get_asgi_application()
 
-from chatapp.health import require_services  # noqa: E402  (needs settings loaded)
+from django.conf import settings  # noqa: E402  (needs settings loaded)
+
+from chatapp.body_limit import BodySizeLimit  # noqa: E402
+from chatapp.health import require_services  # noqa: E402
 
 require_services()
+application = BodySizeLimit(django_application, limit=settings.DATA_UPLOAD_MAX_MEMORY_SIZE)

@@ -5,7 +5,7 @@ from chatapp.memory.registry import strategy_aliases
 
 
 class MessageForm(forms.Form):
-    # The service checks the text (services.check_message_text); the widget only tells the browser the limit.
+    # The service checks the text (validation.check_message_text); the widget only tells the browser the limit.
     text = forms.CharField(
         widget=forms.Textarea(attrs={"maxlength": settings.CHAT_MAX_MESSAGE_CHARS}), strip=False, required=False
     )

@@ -42,6 +42,11 @@ class Conversation(models.Model):
     def __str__(self) -> str:
         return self.title or f"Conversation {self.pk}"
 
+    @property
+    def session_key(self) -> str:
+        """The router's and the engine's name for the conversation."""
+        return f"conversation:{self.pk}"
+
 
 class Message(models.Model):
     class Role(models.TextChoices):
@@ -102,7 +107,10 @@ class Turn(models.Model):
     )
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.QUEUED, db_index=True)
     node = models.CharField(max_length=100, blank=True, db_index=True)
-    # Bumped each time the turn is sent again (its node died); a task for an older attempt does nothing.
+    # The node process that claimed the current attempt: a node restarted under the same name is another
+    # incarnation, and takes back what its predecessor left running.
+    node_incarnation = models.CharField(max_length=32, blank=True)
+    # Bumped each time the turn is sent again (its node died); an older attempt writes nothing.
     attempt = models.PositiveIntegerField(default=0)
     strategy = models.CharField(max_length=64, blank=True)
     # The conversation's overrides when queued; the node records the full options it assembled with.
@@ -134,6 +142,7 @@ class Turn(models.Model):
 
     class Meta:
         ordering = ["created_at", "id"]
+        permissions = [("unlimited_use", "Is not held to the fair-use turn limits (replays, load tests)")]
 
     def __str__(self) -> str:
         return f"Turn {self.pk} ({self.status})"

@@ -1,9 +1,8 @@
-"""A node's heartbeat thread: report the engine's stats to the router, reap dead peers, and recover lost turns.
+"""A node's heartbeat thread: report the engine's stats to the router and reap orphaned turns.
 
-Every node reaps: the first live node to notice a peer's missed heartbeats
-marks it down and re-sends that peer's unfinished turns to healthy nodes. An
-idle node also re-sends its own turns that stayed queued too long: their
-Celery task was lost with a broker that restarted.
+Every node reaps: the first live node to notice a peer's missed heartbeats marks it unresponsive and
+sends that peer's unfinished turns to healthy nodes (`chatapp.turns.recovery`). An idle node also sends
+again its own turns that stayed queued too long: their Celery task was lost with a broker that restarted.
 """
 
 import dataclasses
@@ -13,16 +12,17 @@ import threading
 from django.conf import settings
 from django.db import close_old_connections
 
-from chatapp.services import turns_redispatch, turns_resend_lost
+from chatapp.turns.recovery import turns_reap, turns_resend_lost
 from inference.engine import Engine
-from router.services import node_heartbeat, nodes_reap
+from router.services import node_heartbeat
 
 logger = logging.getLogger(__name__)
 
 
 class Heartbeat:
-    def __init__(self, *, name: str, capacity: int, engine: Engine) -> None:
+    def __init__(self, *, name: str, incarnation: str, capacity: int, engine: Engine) -> None:
         self.name = name
+        self.incarnation = incarnation
         self.capacity = capacity
         self.engine = engine
         self._stop = threading.Event()
@@ -37,13 +37,12 @@ class Heartbeat:
 
     def beat(self) -> None:
         stats = self.engine.stats()
-        node_heartbeat(name=self.name, capacity=self.capacity, stats=dataclasses.asdict(stats))
-        dead = nodes_reap()
-        if dead:
-            moved = turns_redispatch(from_nodes=dead)
-            logger.warning("nodes %s missed their heartbeats: marked down, %d turns sent elsewhere", dead, moved)
+        node_heartbeat(
+            name=self.name, capacity=self.capacity, stats=dataclasses.asdict(stats), incarnation=self.incarnation
+        )
+        turns_reap()
         if stats.running == 0 and stats.waiting == 0:  # idle, so nothing queued for it is merely waiting
-            resent = turns_resend_lost(node=self.name, older_than_s=settings.CHAT_LOST_TURN_SECONDS)
+            resent = turns_resend_lost(node=self.name)
             if resent:
                 logger.warning("node %s: %d queued turns had lost their task; sent again", self.name, resent)
 

@@ -76,6 +76,8 @@ AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
 ]
 LOGIN_URL = "login"
+# Every login path (the login page, the admin) goes through the limiter in this backend.
+AUTHENTICATION_BACKENDS = ["chatapp.login_limits.RateLimitedModelBackend"]
 # Failed logins (per username, and per client address) before logins are refused for a while.
 LOGIN_MAX_FAILURES = env.int("LOGIN_MAX_FAILURES", default=5)
 LOGIN_LOCKOUT_SECONDS = env.int("LOGIN_LOCKOUT_SECONDS", default=300)
@@ -192,6 +194,14 @@ CHAT_MODEL_ID = env.str("CHAT_MODEL_ID", default="gemma-3-270m")
 CHAT_API_TIMEOUT_SECONDS = env.int("CHAT_API_TIMEOUT_SECONDS", default=600)
 # How long a browser's event stream waits on Redis between entries (a keep-alive is sent in between).
 CHAT_SSE_BLOCK_MS = env.int("CHAT_SSE_BLOCK_MS", default=15_000)
+# A turn whose node is gone is sent to another node; with none up for this long it fails, saying so.
+CHAT_ORPHAN_SECONDS = env.float("CHAT_ORPHAN_SECONDS", default=60.0)
+# Fair use, per user (all of a user's API keys and browser tabs together), shared by every web process.
+CHAT_USER_MAX_RUNNING_TURNS = env.int("CHAT_USER_MAX_RUNNING_TURNS", default=4)  # unfinished turns at once
+CHAT_USER_TOKENS_PER_MINUTE = env.int("CHAT_USER_TOKENS_PER_MINUTE", default=200_000)  # prompt + reply tokens
+CHAT_USER_MAX_CONVERSATIONS = env.int("CHAT_USER_MAX_CONVERSATIONS", default=10_000)
+CHAT_USER_MAX_FACTS = env.int("CHAT_USER_MAX_FACTS", default=200)
+CHAT_MAX_PINS_PER_CONVERSATION = env.int("CHAT_MAX_PINS_PER_CONVERSATION", default=20)
 
 LOGGING = {
     "version": 1,

@@ -43,22 +43,58 @@ def entry_order(entry_id: str) -> tuple[int, int]:
     return int(ms), int(seq)
 
 
-def publish(turn_key: str, event: dict[str, Any]) -> None:
-    key = stream_key(turn_key)
-    pipe = client().pipeline()
-    pipe.xadd(key, {"event": json.dumps(event)})
-    pipe.expire(key, settings.CHAT_STREAM_TTL_SECONDS)
-    pipe.execute()
+def attempt_key(turn_key: str) -> str:
+    """The turn's fencing token: the latest attempt allowed to write to its stream."""
+    return f"turn:{turn_key}:attempt"
 
 
-def publish_or_log(turn_key: str, event: dict[str, Any]) -> None:
+# Appends an event unless a later attempt owns the stream (KEYS: stream, attempt; ARGV: event, attempt, ttl).
+_PUBLISH = """
+local current = tonumber(redis.call('GET', KEYS[2]) or '-1')
+local attempt = tonumber(ARGV[2])
+if attempt < current then return 0 end
+if attempt > current then redis.call('SET', KEYS[2], ARGV[2], 'EX', ARGV[3]) end
+redis.call('XADD', KEYS[1], '*', 'event', ARGV[1])
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+return 1
+"""
+# Raises the fencing token to an attempt, never lowers it (KEYS: attempt; ARGV: attempt, ttl).
+_FENCE = """
+local current = tonumber(redis.call('GET', KEYS[1]) or '-1')
+if tonumber(ARGV[1]) > current then redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2]) end
+return 1
+"""
+
+
+@cache
+def _scripts() -> tuple[Any, Any]:
+    return client().register_script(_PUBLISH), client().register_script(_FENCE)
+
+
+def publish(turn_key: str, event: dict[str, Any], *, attempt: int) -> bool:
+    """Append the event, tagged with its attempt, to the turn's stream; False (nothing written) when a
+    later attempt of the turn owns the stream: a node that was replaced cannot write into its successor's."""
+    event = event | {"attempt": attempt}
+    ttl = settings.CHAT_STREAM_TTL_SECONDS
+    written = _scripts()[0](keys=[stream_key(turn_key), attempt_key(turn_key)], args=[json.dumps(event), attempt, ttl])
+    return bool(written)
+
+
+def fence(turn_key: str, attempt: int) -> None:
+    """From now on only `attempt` (or a later one) may write to the turn's stream."""
+    _scripts()[1](keys=[attempt_key(turn_key)], args=[attempt, settings.CHAT_STREAM_TTL_SECONDS])
+
+
+def publish_or_log(turn_key: str, event: dict[str, Any], *, attempt: int) -> bool:
     """`publish`, but a Redis outage only loses the live event, not the turn: the node goes on and
-    stores the reply in Postgres, where readers find it once the stream has nothing more for them."""
+    stores the reply in Postgres, where readers find it once the stream has nothing more for them.
+    False only when a later attempt owns the stream."""
     try:
-        publish(turn_key, event)
+        return publish(turn_key, event, attempt=attempt)
     except redis.RedisError as exc:
         level = logging.DEBUG if event.get("type") == "token" else logging.WARNING
         logger.log(level, "turn %s: %s event not streamed (%s)", turn_key, event.get("type"), exc)
+        return True
 
 
 def read_all(turn_key: str) -> list[dict[str, Any]]:

@@ -1,5 +1,6 @@
-"""A turn's end as an event, the same from the node's stream and from the database, and a reader that
-falls back on the database when the stream loses the end (Redis restarted without persistence)."""
+"""A reader of a turn's stream that always sees the turn end: it falls back on the database when the
+stream loses the end (Redis restarted without persistence), and in quiet spells it has a turn whose node
+is gone sent on or failed (`turns_reap`), so no reader waits on a node that will never answer."""
 
 import asyncio
 from collections.abc import AsyncIterator
@@ -7,30 +8,14 @@ from typing import Any
 
 import redis
 from asgiref.sync import sync_to_async
+from django.db import connection
 
 from chatapp import streams
 from chatapp.models import Turn
+from chatapp.turns.events import end_event
+from chatapp.turns.recovery import turns_reap
 
 RECONNECT_S = 1.0
-
-
-def end_event(turn: Turn) -> dict[str, Any]:
-    """The done or error event for a finished turn, from what is stored."""
-    if turn.status == Turn.Status.FAILED:
-        return {"type": "error", "error": turn.error, "code": "generation_failed"}
-    reply = turn.assistant_message
-    return {
-        "type": "done",
-        "status": turn.status,
-        "finish_reason": turn.finish_reason,
-        "usage": {
-            "prompt_tokens": turn.prompt_tokens or 0,
-            "completion_tokens": turn.completion_tokens or 0,
-            "cached_tokens": turn.cached_tokens or 0,
-        },
-        "text": reply.content if reply else "",
-        "message_id": reply.pk if reply else None,
-    }
 
 
 async def follow_turn(
@@ -58,5 +43,11 @@ async def follow_turn(
 
 
 def _finished(turn_id: int) -> Turn | None:
-    turn = Turn.objects.select_related("assistant_message").get(pk=turn_id)
-    return turn if turn.is_finished else None
+    """The turn if it has finished, after sending it on or failing it if its node is gone. The database
+    connection is closed again: a reader waits on Redis, not holding one of Postgres's connections."""
+    try:
+        turns_reap(turn_id=turn_id)
+        turn = Turn.objects.select_related("assistant_message").get(pk=turn_id)
+        return turn if turn.is_finished else None
+    finally:
+        connection.close()

@@ -17,6 +17,8 @@ from chatapp.api.keys import api_key_revoke as api_key_revoke_service
 from chatapp.forms import ConversationForm, FactForm, MessageForm
 from chatapp.memory.registry import strategy_aliases
 from chatapp.models import Conversation, Turn
+from chatapp.turns import admission, lifecycle
+from chatapp.validation import TurnRejected, without_control_characters
 
 
 class HtmxHttpRequest(HttpRequest):
@@ -37,11 +39,15 @@ def conversation_create(request: HtmxHttpRequest) -> HttpResponse:
     if not form.is_valid():
         messages.error(request, "Pick one of the listed memory strategies.")
         return redirect("chat:conversation_list")
-    conversation = services.conversation_create(
-        owner=request.user,  # type: ignore[arg-type]
-        title=form.cleaned_data["title"],
-        strategy=form.cleaned_data["strategy"],
-    )
+    try:
+        conversation = services.conversation_create(
+            owner=request.user,  # type: ignore[arg-type]
+            title=form.cleaned_data["title"],
+            strategy=form.cleaned_data["strategy"],
+        )
+    except TurnRejected as exc:
+        messages.error(request, str(exc))
+        return redirect("chat:conversation_list")
     return redirect("chat:conversation_detail", conversation_id=conversation.pk)
 
 
@@ -78,15 +84,18 @@ def turn_create(request: HtmxHttpRequest, conversation_id: int) -> HttpResponse:
     form = MessageForm(request.POST)
     try:
         if not form.is_valid():
-            raise services.TurnRejected(" ".join(str(error) for error in form.errors["text"]))
-        turn = services.turn_start(conversation=conversation, text=form.cleaned_data["text"])
-    except services.TurnRejected as exc:
+            raise TurnRejected(" ".join(str(error) for error in form.errors["text"]))
+        turn = admission.turn_start(conversation=conversation, text=form.cleaned_data["text"])
+    except TurnRejected as exc:
         if not request.htmx:
             messages.error(request, str(exc))
             return redirect("chat:conversation_detail", conversation_id=conversation.pk)
         context = _chat_context(conversation, form=form, error=str(exc))
-        context["draft"] = services.without_control_characters(request.POST.get("text", ""))
-        response = render(request, "chat/conversation_detail.html#composer", context, status=422)
+        context["draft"] = without_control_characters(request.POST.get("text", ""))
+        status = 422 if exc.status == 400 else exc.status  # 409, 429 (with Retry-After) and 503 say more
+        response = render(request, "chat/conversation_detail.html#composer", context, status=status)
+        if exc.retry_after:
+            response["Retry-After"] = str(exc.retry_after)
         return reswap(retarget(response, "#composer"), "outerHTML")
     if not request.htmx:
         return redirect("chat:conversation_detail", conversation_id=conversation.pk)
@@ -126,8 +135,8 @@ def turn_detail(request: HtmxHttpRequest, conversation_id: int, turn_id: int) ->
 def turn_retry(request: HtmxHttpRequest, conversation_id: int, turn_id: int) -> HttpResponse:
     turn = selectors.turn_get_for_user(user=request.user, conversation_id=conversation_id, turn_id=turn_id)  # type: ignore[arg-type]
     try:
-        services.turn_retry(turn=turn)
-    except services.TurnRejected as exc:
+        lifecycle.turn_retry(turn=turn)
+    except TurnRejected as exc:
         messages.error(request, str(exc))
     return redirect("chat:conversation_detail", conversation_id=conversation_id)
 
@@ -136,7 +145,7 @@ def turn_retry(request: HtmxHttpRequest, conversation_id: int, turn_id: int) -> 
 @login_required
 def turn_cancel(request: HtmxHttpRequest, conversation_id: int, turn_id: int) -> HttpResponse:
     turn: Turn = selectors.turn_get_for_user(user=request.user, conversation_id=conversation_id, turn_id=turn_id)  # type: ignore[arg-type]
-    services.turn_cancel(turn=turn)
+    lifecycle.turn_cancel(turn=turn)
     if request.htmx:
         return HttpResponse(status=204)
     return redirect("chat:conversation_detail", conversation_id=conversation_id)
@@ -171,7 +180,10 @@ def message_flags(request: HtmxHttpRequest, conversation_id: int, message_id: in
     flags = FLAG_ACTIONS.get(request.POST.get("action", ""))
     if flags is None:
         return HttpResponse("Unknown action; use one of: " + ", ".join(FLAG_ACTIONS), status=400)
-    services.message_set_flags(message=message, **flags)
+    try:
+        services.message_set_flags(message=message, **flags)
+    except TurnRejected as exc:
+        return HttpResponse(str(exc), status=409)
     if request.htmx:
         return render(
             request, "chat/conversation_detail.html#message", {"message": message, "conversation": message.conversation}
@@ -186,7 +198,7 @@ def fact_list(request: HtmxHttpRequest) -> HttpResponse:
     if request.method == "POST" and form.is_valid():
         try:
             services.fact_save(owner=request.user, text=form.cleaned_data["text"])  # type: ignore[arg-type]
-        except services.TurnRejected as exc:
+        except TurnRejected as exc:
             messages.error(request, str(exc))
         return redirect("chat:fact_list")
     facts = selectors.fact_list_for_user(user=request.user)  # type: ignore[arg-type]
@@ -199,7 +211,7 @@ def fact_update(request: HtmxHttpRequest, fact_id: int) -> HttpResponse:
     fact = selectors.fact_get_for_user(user=request.user, fact_id=fact_id)  # type: ignore[arg-type]
     try:
         services.fact_save(owner=request.user, text=request.POST.get("text", ""), fact=fact)  # type: ignore[arg-type]
-    except services.TurnRejected as exc:
+    except TurnRejected as exc:
         messages.error(request, str(exc))
     return redirect("chat:fact_list")
 

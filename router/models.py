@@ -7,7 +7,8 @@ class Node(models.Model):
     class Status(models.TextChoices):
         UP = "up"
         DRAINING = "draining"  # keeps its sessions' running turns, takes no new sessions
-        DOWN = "down"
+        DOWN = "down"  # shut down, or marked down by an operator
+        UNRESPONSIVE = "unresponsive"  # missed its heartbeats; its next heartbeat brings it back up
 
     name = models.CharField(max_length=100, unique=True)
     queue = models.CharField(max_length=120)
@@ -17,6 +18,9 @@ class Node(models.Model):
     sessions = models.IntegerField(default=0)
     stats = models.JSONField(default=dict, blank=True, help_text="The engine's latest NodeStats.")
     last_heartbeat = models.DateTimeField(null=True, blank=True)
+    # Which process serves under this name now (set at its start): heartbeats and claims of an earlier
+    # process under the same name are told apart from it.
+    incarnation = models.CharField(max_length=32, blank=True)
     started_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:

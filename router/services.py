@@ -42,27 +42,38 @@ def prefix_routing_key(prefix: Sequence[int] | str) -> str:
 # Registry -----------------------------------------------------------------------
 
 
-def node_heartbeat(*, name: str, capacity: int, stats: dict[str, Any]) -> None:
-    """Register the node (up, if new) or refresh its heartbeat and stats; a drained or downed node stays so."""
+def node_heartbeat(*, name: str, capacity: int, stats: dict[str, Any], incarnation: str) -> None:
+    """Register the node (up, if new) or refresh its heartbeat and stats, if `incarnation` is the process
+    serving under this name. A node marked unresponsive while it was alive (stalled) is up again; a
+    drained or downed node stays so. A heartbeat from a process that another has replaced changes nothing."""
     now = timezone.now()
-    Node.objects.update_or_create(
-        name=name,
-        defaults={"queue": queue_for_node(name), "capacity": capacity, "stats": stats, "last_heartbeat": now},
-        create_defaults={
-            "queue": queue_for_node(name),
-            "capacity": capacity,
-            "stats": stats,
-            "last_heartbeat": now,
-            "started_at": now,
-            "status": Node.Status.UP,
-        },
-    )
+    fields = {"queue": queue_for_node(name), "capacity": capacity, "stats": stats, "last_heartbeat": now}
+    with transaction.atomic():
+        node, created = Node.objects.select_for_update().get_or_create(
+            name=name, defaults=fields | {"incarnation": incarnation, "started_at": now, "status": Node.Status.UP}
+        )
+        if created or node.incarnation not in (incarnation, ""):
+            return
+        for field, value in fields.items():
+            setattr(node, field, value)
+        node.incarnation = incarnation
+        if node.status == Node.Status.UNRESPONSIVE:
+            node.status = Node.Status.UP
+        node.save(update_fields=[*fields, "incarnation", "status"])
 
 
-def node_start(*, name: str, capacity: int) -> None:
-    """A node (re)joining: up again whatever it was, with a fresh heartbeat."""
-    node_heartbeat(name=name, capacity=capacity, stats={})
-    Node.objects.filter(name=name).update(status=Node.Status.UP, started_at=timezone.now())
+def node_start(*, name: str, capacity: int, incarnation: str) -> None:
+    """A node process (re)joining under `name`: it replaces any earlier one, and is up whatever that was."""
+    now = timezone.now()
+    fields = {"queue": queue_for_node(name), "capacity": capacity, "stats": {}, "last_heartbeat": now}
+    fields |= {"incarnation": incarnation, "started_at": now, "status": Node.Status.UP}
+    Node.objects.update_or_create(name=name, defaults=fields)
+
+
+def node_stop(*, name: str, incarnation: str) -> bool:
+    """A node process stopping cleanly: down, unless another process serves under its name by now
+    (False then: that one owns the name and its turns)."""
+    return bool(Node.objects.filter(name=name, incarnation=incarnation).update(status=Node.Status.DOWN))
 
 
 def node_set_status(*, name: str, status: Node.Status) -> None:
@@ -70,15 +81,15 @@ def node_set_status(*, name: str, status: Node.Status) -> None:
 
 
 def nodes_reap() -> list[str]:
-    """Mark down the nodes whose heartbeat is older than the timeout; return their names."""
+    """Mark unresponsive the serving nodes whose heartbeat is older than the timeout; return their names."""
     with transaction.atomic():
         stale = list(
             Node.objects.select_for_update(skip_locked=True)
             .filter(_stale_q())
-            .exclude(status=Node.Status.DOWN)
+            .filter(status__in=[Node.Status.UP, Node.Status.DRAINING])
             .values_list("name", flat=True)
         )
-        Node.objects.filter(name__in=stale).update(status=Node.Status.DOWN)
+        Node.objects.filter(name__in=stale).update(status=Node.Status.UNRESPONSIVE)
     return stale
 
 

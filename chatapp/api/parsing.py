@@ -7,6 +7,8 @@ from typing import Any
 from django.conf import settings
 
 from chatapp.api.errors import ApiError
+from chatapp.validation import control_character_in
+from inference.config import EngineConfig
 
 SAMPLING_LIMITS = {
     "temperature": (0.0, 2.0),
@@ -115,13 +117,29 @@ def _messages(messages: Any) -> tuple[str, list[tuple[str, str]]]:
         if extra:
             raise ApiError(f"messages[{i}] has unsupported fields: {', '.join(sorted(extra))}.", param=f"messages[{i}]")
         text = _content(message.get("content"), i)
+        _check_text(text, f"messages[{i}].content")
         if role == "system":
             system.append(text)
         else:
             history.append((role, text))
     if not history or history[-1][0] != "user":
         raise ApiError("The last message must be a user message.", param="messages")
-    return "\n\n".join(system), history
+    joined = "\n\n".join(system)
+    _check_text(joined, "messages (system, joined)")
+    return joined, history
+
+
+def _check_text(text: str, param: str) -> None:
+    """Any role's text: no control characters (NUL included) and no more than CHAT_MAX_MESSAGE_CHARS."""
+    if found := control_character_in(text):
+        raise ApiError(
+            f"{param} contains the control character {found}; only tab, newline and carriage return are allowed.",
+            param=param,
+            code="invalid_characters",
+        )
+    limit = settings.CHAT_MAX_MESSAGE_CHARS
+    if len(text) > limit:
+        raise ApiError(f"{param} is {len(text):,} characters; the limit is {limit:,}.", param=param, code="too_long")
 
 
 def _content(content: Any, i: int) -> str:
@@ -138,6 +156,13 @@ def _sampling(data: dict) -> dict[str, Any]:
     if max_tokens is not None:
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise ApiError("max_tokens must be a positive integer.", param="max_tokens")
+        cap = EngineConfig().MAX_REPLY_TOKENS
+        if max_tokens > cap:
+            raise ApiError(
+                f"max_tokens is {max_tokens}; this server writes at most {cap} tokens per reply (MAX_REPLY_TOKENS).",
+                param="max_tokens",
+                code="max_tokens_too_large",
+            )
         sampling["max_tokens"] = max_tokens
     for name, (low, high) in SAMPLING_LIMITS.items():
         value = data.get(name)

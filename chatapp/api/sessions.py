@@ -12,10 +12,20 @@ session id points to that one from then on.
 from django.contrib.auth.models import User
 from django.db import transaction
 
-from chatapp import services
+from chatapp import quotas, services
 from chatapp.api.errors import ApiError
 from chatapp.api.parsing import ChatRequest
 from chatapp.models import Conversation, Message, Turn
+from chatapp.turns import admission
+from chatapp.validation import (
+    ContextTooSmall,
+    NodeBusy,
+    NoNodeUp,
+    QuotaExceeded,
+    ReplyInProgress,
+    TurnRejected,
+    check_message_text,
+)
 from router.services import prefix_routing_key
 
 
@@ -37,33 +47,43 @@ def _normalised(role: str, text: str) -> tuple[str, str]:
     """How a message is stored: user text is cleaned like any message, assistant text is kept as sent."""
     if role == "user":
         try:
-            return role, services.check_message_text(text)
-        except services.TurnRejected:
+            return role, check_message_text(text)
+        except TurnRejected:
             return role, ""
     return role, text
 
 
 def api_turn_start(*, owner: User, request: ChatRequest, session_id: str | None, strategy: str | None) -> Turn:
-    """Find or branch the conversation, store what it lacks of the history, and start the turn."""
+    """Find or branch the conversation, store what it lacks of the history, and start the turn, in one
+    transaction: a request that is refused (busy, no node, over a quota, a reply in progress) stores nothing."""
     key = api_session_key(request, session_id)
     *earlier, (_, new_text) = request.history
     wanted = [_normalised(role, text) for role, text in earlier]
-    with transaction.atomic():
-        conversation = _conversation(owner, key, request.system, wanted)
-        if strategy:
-            try:
-                services.conversation_set_strategy(conversation=conversation, strategy=strategy)
-            except ValueError as exc:
-                raise ApiError(str(exc), param="X-Memory-Strategy", code="unknown_strategy") from exc
+    admission.reap_unfinished(Turn.objects.filter(conversation__owner=owner, conversation__api_session=key))
     try:
-        return services.turn_start(conversation=conversation, text=new_text, sampling=request.sampling)
-    except (services.NodeBusy, services.NoNodeUp) as exc:
-        kind = "rate_limit_error" if exc.status == 429 else "server_error"
-        raise ApiError(str(exc), status=exc.status, type=kind, headers={"Retry-After": str(exc.retry_after)}) from exc
-    except services.TurnRejected as exc:
-        code = "context_length_exceeded" if "context" in str(exc) else "invalid_message"
-        status = 409 if "still being written" in str(exc) else 400
-        raise ApiError(str(exc), status=status, param="messages", code=code) from exc
+        with transaction.atomic():
+            conversation = _conversation(owner, key, request.system, wanted)
+            if strategy:
+                try:
+                    services.conversation_set_strategy(conversation=conversation, strategy=strategy)
+                except ValueError as exc:
+                    raise ApiError(str(exc), param="X-Memory-Strategy", code="unknown_strategy") from exc
+            return admission.turn_start(conversation=conversation, text=new_text, sampling=request.sampling)
+    except TurnRejected as exc:
+        raise api_error(exc) from exc
+
+
+def api_error(exc: TurnRejected) -> ApiError:
+    """A refused turn in OpenAI's terms."""
+    headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after else {}
+    if isinstance(exc, QuotaExceeded | NodeBusy):
+        return ApiError(str(exc), status=429, type="rate_limit_error", code="rate_limit_exceeded", headers=headers)
+    if isinstance(exc, NoNodeUp):
+        return ApiError(str(exc), status=503, type="server_error", code="no_node", headers=headers)
+    if isinstance(exc, ReplyInProgress):
+        return ApiError(str(exc), status=409, param="messages", code="reply_in_progress")
+    code = "context_length_exceeded" if isinstance(exc, ContextTooSmall) else "invalid_message"
+    return ApiError(str(exc), status=exc.status, param="messages", code=code)
 
 
 def _conversation(owner: User, key: str, system: str, wanted: list[tuple[str, str]]) -> Conversation:
@@ -83,6 +103,7 @@ def _conversation(owner: User, key: str, system: str, wanted: list[tuple[str, st
             _store(conversation, wanted[len(stored) :])
             return conversation
     title = next((text for role, text in wanted if role == "user"), "")
+    quotas.check_can_add_conversation(user_id=owner.pk)
     conversation = Conversation.objects.create(
         owner=owner,
         source=Conversation.Source.API,

@@ -17,15 +17,22 @@ from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
-from chatapp import streams
 from chatapp.api.errors import ApiError
 from chatapp.api.keys import api_key_user
 from chatapp.api.parsing import ChatRequest, parse_chat_request
 from chatapp.api.sessions import api_turn_start
 from chatapp.models import Turn
 from chatapp.turn_events import follow_turn
+from chatapp.turns.lifecycle import turn_cancel
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "stop"}
+RESTARTED = ApiError(
+    "The node writing this reply stopped, and the reply was started again on another node. The text sent so far "
+    "is void; send the request again.",
+    status=503,
+    type="server_error",
+    code="reply_restarted",
+)
 
 
 def _authenticate(request: HttpRequest) -> User:
@@ -104,14 +111,24 @@ def _usage(done: dict) -> dict:
 def _failure(event: dict) -> ApiError:
     if event.get("code") == "context_length_exceeded":
         return ApiError(event["error"], param="messages", code="context_length_exceeded")
+    if event.get("code") == "no_node":
+        return ApiError(event["error"], status=503, type="server_error", code="no_node")
     return ApiError(f"The model failed: {event['error']}", status=500, type="server_error", code=event.get("code"))
 
 
 async def _events(turn: Turn) -> AsyncIterator[dict]:
-    async with asyncio.timeout(settings.CHAT_API_TIMEOUT_SECONDS):
-        async for _, event in follow_turn(turn, block_ms=settings.CHAT_SSE_BLOCK_MS):
-            if event is not None:
-                yield event
+    """The turn's events; past CHAT_API_TIMEOUT_SECONDS the turn is cancelled and an ApiError (504) raised."""
+    limit = settings.CHAT_API_TIMEOUT_SECONDS
+    try:
+        async with asyncio.timeout(limit):
+            async for _, event in follow_turn(turn, block_ms=settings.CHAT_SSE_BLOCK_MS):
+                if event is not None:
+                    yield event
+    except TimeoutError:
+        await sync_to_async(turn_cancel)(turn=turn)
+        raise ApiError(
+            f"The reply took longer than {limit} s and was cancelled.", status=504, type="server_error", code="timeout"
+        ) from None
 
 
 async def _completion(turn: Turn, parsed: ChatRequest) -> dict:
@@ -149,11 +166,21 @@ async def _chunks(turn: Turn, parsed: ChatRequest) -> AsyncIterator[str]:
         choices = [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]
         return f"data: {json.dumps(base | {'choices': choices} | extra)}\n\n"
 
-    finished = False
+    # A turn sent again (its node died) restarts its text. Until this stream has sent text, the new
+    # attempt simply carries on; after, the client cannot take text back, so the stream ends with an
+    # error (code "reply_restarted") instead of repeating text, and the turn is cancelled.
+    finished = sent_text = False
+    first_attempt: int | None = None
     try:
         yield chunk({"role": "assistant", "content": ""})
         async for event in _events(turn):
-            if event["type"] == "token":
+            if event["type"] == "start":
+                first_attempt = event["attempt"] if first_attempt is None else first_attempt
+                if sent_text and event["attempt"] != first_attempt:
+                    yield f"data: {json.dumps({'error': RESTARTED.response_body()})}\n\n"
+                    break
+            elif event["type"] == "token":
+                sent_text = True
                 yield chunk({"content": event["text"]})
             elif event["type"] == "error":
                 finished = True
@@ -163,7 +190,10 @@ async def _chunks(turn: Turn, parsed: ChatRequest) -> AsyncIterator[str]:
                 yield chunk({}, FINISH_REASONS[event["finish_reason"]])
                 if parsed.include_usage:
                     yield f"data: {json.dumps(base | {'choices': [], 'usage': _usage(event)})}\n\n"
-        yield "data: [DONE]\n\n"
+    except ApiError as exc:  # the timeout: the turn is already cancelled
+        finished = True
+        yield f"data: {json.dumps({'error': exc.response_body()})}\n\n"
     finally:
-        if not finished:  # the client went away (or we timed out): stop generating
-            await streams.request_cancel_async(turn.stream_name)
+        if not finished:  # the client went away, or the reply restarted: stop generating
+            await sync_to_async(turn_cancel)(turn=turn)
+    yield "data: [DONE]\n\n"

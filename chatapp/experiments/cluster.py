@@ -23,6 +23,7 @@ from chatapp.experiments.simulator import (
 )
 from chatapp.experiments.sources import chitchat_sessions
 from chatapp.memory.registry import strategy_get
+from chatapp.turns import admission
 from inference.benchmark import run_parallel
 from router.services import healthy_nodes, policy_get
 
@@ -65,7 +66,7 @@ def measure_serving(*, concurrency: int, turns: int = 6) -> dict:
         conversation = services.conversation_create(owner=replay_user(), title=f"calibration {k}", strategy="window")
         for n in range(turns):
             submitted = time.perf_counter()
-            turn = services.turn_start(
+            turn = admission.turn_start(
                 conversation=conversation,
                 text=f"Hello, this is message {n} of conversation {k}.",
                 sampling={"max_tokens": 32, "temperature": 0},

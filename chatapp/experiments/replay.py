@@ -1,7 +1,7 @@
 """Driving an experiment's sessions through one run's strategy.
 
 Live: each session becomes a real conversation, and each of its user messages
-goes through `services.turn_start` to the router and a node, exactly as a
+goes through `admission.turn_start` to the router and a node, exactly as a
 person's would; the replay waits on the turn's stream and records what it cost.
 Dry: the same strategy assembles the same history with the vocabulary-only
 tokenizer and no model; the recorded replies stand in for the model's, and
@@ -18,7 +18,7 @@ from django.contrib.auth.models import User
 from django.db import close_old_connections, connection
 from django.utils import timezone
 
-from chatapp import services, streams
+from chatapp import quotas, services, streams
 from chatapp.experiments.model_free import ModelFreeSession
 from chatapp.experiments.models import ReplayTurn, Run
 from chatapp.experiments.probes import recalled
@@ -26,6 +26,8 @@ from chatapp.experiments.sources import ReplaySession
 from chatapp.memory.base import MemoryStrategy, StoredMessage
 from chatapp.memory.registry import strategy_get
 from chatapp.models import Turn
+from chatapp.turns import admission, lifecycle
+from chatapp.validation import NodeBusy, TurnRejected
 from inference.config import EngineConfig
 from inference.session_cache import common_prefix
 from inference.tokenizer import chat_format_for
@@ -113,6 +115,7 @@ def replay_user() -> User:
     if created:
         user.set_unusable_password()
         user.save(update_fields=["password"])
+    quotas.grant_unlimited_use(user)
     return user
 
 
@@ -151,12 +154,12 @@ def _live_turn(conversation, text, sampling, policy, previous) -> tuple[dict, li
     submitted = time.perf_counter()
     try:
         turn = _start_when_not_busy(conversation, text, sampling, policy)
-    except services.TurnRejected as exc:
+    except TurnRejected as exc:
         return {"status": "rejected", "error": str(exc)}, previous
     first_token_at, event = streams.wait_finished(turn.stream_name, timeout_s=TURN_TIMEOUT_S)
     finished = time.perf_counter()
     if event is None:
-        services.turn_cancel(turn=turn)
+        lifecycle.turn_cancel(turn=turn)
     turn.refresh_from_db()
     reply = turn.assistant_message
     prompt = turn.prompt_token_ids or []
@@ -186,8 +189,8 @@ def _start_when_not_busy(conversation, text, sampling, policy) -> Turn:
     give_up = time.monotonic() + BUSY_GIVE_UP_S
     while True:
         try:
-            return services.turn_start(conversation=conversation, text=text, sampling=sampling, policy=policy)
-        except services.NodeBusy as exc:
+            return admission.turn_start(conversation=conversation, text=text, sampling=sampling, policy=policy)
+        except NodeBusy as exc:
             if time.monotonic() > give_up:
                 raise
             time.sleep(exc.retry_after)

@@ -2,7 +2,8 @@
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
 
@@ -98,7 +99,7 @@ def turn_summarize(*, turn: Turn, engine: "Engine") -> list[StoredSummary]:
         prompt = fmt.render([ChatMessage("user", SUMMARY_INSTRUCTION + job.transcript)])
         started = time.perf_counter()
         generation = engine.generate(
-            session_key=f"conversation:{conversation.pk}:summary",
+            session_key=f"{conversation.session_key}:summary",
             prompt=prompt,
             sampling=Sampling(max_tokens=SUMMARY_TOKENS, temperature=0, top_p=1, repeat_penalty=1.1),
         )
@@ -131,11 +132,12 @@ def summary_chunk_tokens(engine: "Engine") -> int:
     return min(CHUNK_TOKENS, engine.n_ctx - SUMMARY_TOKENS - instruction - fmt.overhead - 16)
 
 
-def turn_record_prompt(*, turn: Turn, prompt: TurnPrompt, detokenize) -> None:
-    """Store what the strategy resent and dropped, and the exact prompt, on the turn."""
-    turn.strategy_options = strategy_options(turn.strategy, turn.strategy_options)
-    turn.trace = prompt.assembled.trace()
-    turn.prompt_hash = prompt_hash(prompt.tokens)
-    turn.prompt_text = detokenize(prompt.tokens)
-    turn.prompt_token_ids = prompt.tokens
-    turn.save(update_fields=["strategy_options", "trace", "prompt_hash", "prompt_text", "prompt_token_ids"])
+def prompt_record(turn: Turn, prompt: TurnPrompt, detokenize: Callable[[list[int]], str]) -> dict[str, Any]:
+    """The turn's fields that record what the strategy resent and dropped, and the exact prompt."""
+    return {
+        "strategy_options": strategy_options(turn.strategy, turn.strategy_options),
+        "trace": prompt.assembled.trace(),
+        "prompt_hash": prompt_hash(prompt.tokens),
+        "prompt_text": detokenize(prompt.tokens),
+        "prompt_token_ids": prompt.tokens,
+    }

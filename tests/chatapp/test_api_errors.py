@@ -105,3 +105,78 @@ def test_keys_are_made_and_revoked_in_the_ui(client, user):
     client.post(f"/keys/{row.pk}/revoke/")
     row.refresh_from_db()
     assert row.revoked_at is not None
+
+
+# Refused before anything is stored ---------------------------------------------------
+
+HISTORY = [
+    {"role": "user", "content": "My cat is called Miso."},
+    {"role": "assistant", "content": "Miso is a lovely name."},
+]
+
+
+def stored() -> list[tuple[str, str]]:
+    return list(Message.objects.order_by("id").values_list("role", "content"))
+
+
+@pytest.mark.parametrize(
+    ("message", "param", "code"),
+    [
+        ({"role": "system", "content": "be brief\x00"}, "messages[0].content", "invalid_characters"),
+        ({"role": "developer", "content": "be\x1b[31m red"}, "messages[0].content", "invalid_characters"),
+        ({"role": "system", "content": "x" * 8001}, "messages[0].content", "too_long"),
+    ],
+)
+def test_every_roles_content_is_checked_before_anything_is_stored(client, auth, idle_node, message, param, code):
+    body = {"model": "gemma-3-270m", "messages": [message, *HISTORY, {"role": "user", "content": "hi"}]}
+    response = post(client, body, **auth)
+    assert response.status_code == 400 and (error(response)["param"], error(response)["code"]) == (param, code)
+    assert stored() == []
+
+
+def test_control_characters_in_a_resent_assistant_message_are_refused(client, auth, idle_node):
+    history = [HISTORY[0], {"role": "assistant", "content": "Miso\x00"}, {"role": "user", "content": "hi"}]
+    response = post(client, {"model": "gemma-3-270m", "messages": history}, **auth)
+    assert response.status_code == 400 and error(response)["param"] == "messages[1].content"
+    assert stored() == []
+
+
+def test_an_empty_user_message_after_history_is_400_and_stores_nothing(client, auth, idle_node):
+    response = post(client, {"model": "gemma-3-270m", "messages": [*HISTORY, {"role": "user", "content": " "}]}, **auth)
+    assert response.status_code == 400 and error(response)["code"] == "invalid_message"
+    assert stored() == []
+
+
+@pytest.mark.parametrize("refusal", ["busy", "no_node", "in_progress", "quota"])
+def test_a_refused_request_keeps_what_was_stored_before_and_adds_nothing(
+    client, auth, user, idle_node, settings, refusal
+):
+    first = {"model": "gemma-3-270m", "stream": True, "messages": [{"role": "user", "content": "first"}]}
+    assert post(client, first, **auth, HTTP_X_SESSION_ID="s1").status_code == 200  # queued; the idle node never runs it
+    before = stored()
+    assert before == [("user", "first")]
+    if refusal == "busy":
+        settings.CHAT_QUEUE_PER_SLOT = 0
+    elif refusal == "no_node":
+        idle_node.status = "down"
+        idle_node.save(update_fields=["status"])
+    elif refusal == "quota":
+        settings.CHAT_USER_MAX_RUNNING_TURNS = 1
+    # A new session (a new conversation and its resent history), or the first one's next message (its reply).
+    session = "s1" if refusal == "in_progress" else "s2"
+    earlier = [{"role": "user", "content": "first"}, HISTORY[1]] if refusal == "in_progress" else HISTORY
+    body = {"model": "gemma-3-270m", "messages": [*earlier, {"role": "user", "content": "second"}]}
+    response = post(client, body, **auth, HTTP_X_SESSION_ID=session)
+    expected = {"busy": 429, "no_node": 503, "in_progress": 409, "quota": 429}[refusal]
+    assert response.status_code == expected, response.content
+    if expected in {429, 503}:
+        assert int(response["Retry-After"]) > 0
+    assert stored() == before
+
+
+def test_max_tokens_over_the_servers_cap_is_a_clear_400(client, auth, idle_node):
+    body = {"model": "gemma-3-270m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 600}
+    response = post(client, body, **auth)
+    assert response.status_code == 400
+    assert error(response)["code"] == "max_tokens_too_large" and "at most 256" in error(response)["message"]
+    assert stored() == []

@@ -7,8 +7,9 @@ import uuid
 
 import pytest
 
-from chatapp import services, streams
+from chatapp import streams
 from chatapp.models import Message, Turn
+from chatapp.turns import admission
 from router.models import Node
 from router.services import assignment_move, healthy_nodes
 from tests.conftest import start_node, stop_node
@@ -42,9 +43,11 @@ def test_a_node_killed_mid_generation_hands_its_turn_to_another(doomed_and_spare
     Node.objects.exclude(name__in=[doomed, spare]).update(status=Node.Status.DOWN)
     _wait(lambda: {n.name for n in healthy_nodes()} == {doomed, spare}, 15, "both nodes to register")
     conversation = ConversationFactory.create()
-    assignment_move(session_key=services.session_key_for(conversation), node_name=doomed)
+    assignment_move(session_key=conversation.session_key, node_name=doomed)
 
-    turn = services.turn_start(conversation=conversation, text="Tell me a very long story about a dragon and a sailor.")
+    turn = admission.turn_start(
+        conversation=conversation, text="Tell me a very long story about a dragon and a sailor."
+    )
     assert turn.node == doomed
     _wait(lambda: len(streams.text_so_far(turn.stream_name)) > 20, 60, "the doomed node to start replying")
     os.kill(doomed_process.pid, signal.SIGKILL)
@@ -52,7 +55,7 @@ def test_a_node_killed_mid_generation_hands_its_turn_to_another(doomed_and_spare
     turn = wait_for_turn(turn, timeout=120)
     assert turn.status == Turn.Status.DONE, turn.error
     assert (turn.node, turn.attempt) == (spare, 1)
-    assert Node.objects.get(name=doomed).status == Node.Status.DOWN
+    assert Node.objects.get(name=doomed).status == Node.Status.UNRESPONSIVE
     assert Message.objects.filter(pk=turn.user_message_id).exists()
     assert conversation.messages.filter(role=Message.Role.ASSISTANT).count() == 1
     assert turn.assistant_message is not None

@@ -11,9 +11,9 @@ from django.urls import reverse
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from chatapp import services
 from chatapp.api.keys import api_key_create
 from chatapp.models import Conversation, Message, Turn, UserFact
+from chatapp.turns import admission
 from tests.factories import ConversationFactory
 from tests.helpers import wait_for_turn
 
@@ -180,7 +180,7 @@ def test_the_admin_is_for_staff_only(client, user):
 
 
 def test_another_users_stream_id_is_404(client, user, other_user, idle_node):
-    turn = services.turn_start(conversation=ConversationFactory.create(owner=user), text="mine")
+    turn = admission.turn_start(conversation=ConversationFactory.create(owner=user), text="mine")
     client.force_login(other_user)
     own = ConversationFactory.create(owner=other_user)
     # Their own conversation with someone else's turn id, and the stream's name itself, give nothing away.

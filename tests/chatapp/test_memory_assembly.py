@@ -2,10 +2,11 @@
 
 import pytest
 
-from chatapp.memory.assembly import turn_prompt, turn_record_prompt, turn_summarize
+from chatapp.memory.assembly import prompt_record, turn_prompt, turn_summarize
 from chatapp.memory.summaries import SUMMARY_TOKENS
 from chatapp.models import Message, Summary, Turn
 from chatapp.selectors import message_search
+from chatapp.turns.lifecycle import turn_record_prompt
 from inference.engine import Sampling
 from tests.factories import ConversationFactory, MessageFactory
 
@@ -28,7 +29,9 @@ def _conversation_with_turn(strategy: str, exchanges: int) -> Turn:
             conversation=conversation, role=Message.Role.ASSISTANT, content=f"That sounds lovely ({i})."
         )
     question = MessageFactory.create(conversation=conversation, content="Where did we walk?")
-    return Turn.objects.create(conversation=conversation, user_message=question, strategy=strategy)
+    return Turn.objects.create(
+        conversation=conversation, user_message=question, strategy=strategy, status=Turn.Status.RUNNING
+    )
 
 
 def test_summaries_are_written_after_the_turn_in_chunks_that_fit_then_used_by_the_next_prompt(db, engine, settings):
@@ -42,7 +45,7 @@ def test_summaries_are_written_after_the_turn_in_chunks_that_fit_then_used_by_th
     prompt = turn_prompt(turn=turn, engine=engine, sampling=SHORT)
     assert not Summary.objects.exists()  # assembling never calls the model
     assert prompt.assembled.dropped_ids and "summary" not in [s.kind for s in prompt.assembled.segments]
-    turn_record_prompt(turn=turn, prompt=prompt, detokenize=engine.chat_format.display)
+    assert turn_record_prompt(turn=turn, fields=prompt_record(turn, prompt, engine.chat_format.display))
     turn.refresh_from_db()
     assert turn.strategy_options == {"high": 200, "low": 80, "summarize": True}
     assert "<start_of_turn>user" in turn.prompt_text and len(turn.prompt_hash) == 32

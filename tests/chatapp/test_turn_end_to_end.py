@@ -8,6 +8,7 @@ from django.db import transaction
 from chatapp import services, streams
 from chatapp.memory.summaries import SUMMARY_TOKENS
 from chatapp.models import Message, Summary, Turn
+from chatapp.turns import admission, lifecycle
 from tests.factories import ConversationFactory, MessageFactory
 from tests.helpers import wait_for_turn
 
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 def test_a_turn_runs_on_the_node_and_the_next_prompt_contains_it(node):
     conversation = ConversationFactory.create()
 
-    first = wait_for_turn(services.turn_start(conversation=conversation, text="Hello! What is your favourite fruit?"))
+    first = wait_for_turn(admission.turn_start(conversation=conversation, text="Hello! What is your favourite fruit?"))
     assert first.status == Turn.Status.DONE, first.error
     reply = first.assistant_message
     assert reply is not None and reply.content.strip()
@@ -35,7 +36,7 @@ def test_a_turn_runs_on_the_node_and_the_next_prompt_contains_it(node):
     assert [e["type"] for e in (events[0], events[-1])] == ["start", "done"]
     assert "".join(e["text"] for e in events if e["type"] == "token").strip() == reply.content.strip()
 
-    second = wait_for_turn(services.turn_start(conversation=conversation, text="Why that one?"))
+    second = wait_for_turn(admission.turn_start(conversation=conversation, text="Why that one?"))
     assert second.status == Turn.Status.DONE, second.error
     # The second prompt starts with the first prompt and reply, token for token: the node reused it.
     reused_at_least = first.prompt_tokens + first.completion_tokens - 1
@@ -49,7 +50,7 @@ def test_a_failing_generation_marks_the_turn_failed_and_keeps_the_message(node):
     # A history longer than the node's 4,096-token context: `full` refuses to drop any of it, and says so.
     for i in range(4):
         MessageFactory.create(conversation=conversation, content=" ".join(f"word{i}{j}" for j in range(700)))
-    turn = wait_for_turn(services.turn_start(conversation=conversation, text="Still there?"))
+    turn = wait_for_turn(admission.turn_start(conversation=conversation, text="Still there?"))
     assert turn.status == Turn.Status.FAILED
     assert "ContextOverflow" in turn.error and "fit in the model's context" in turn.error
     assert turn.assistant_message is None
@@ -60,12 +61,12 @@ def test_a_failing_generation_marks_the_turn_failed_and_keeps_the_message(node):
 def test_a_reply_cancelled_before_it_starts_stores_no_message(node):
     conversation = ConversationFactory.create()
     with transaction.atomic():  # the cancel is recorded before the node can see the turn
-        turn = services.turn_start(conversation=conversation, text="Tell me a long story about the sea.")
-        services.turn_cancel(turn=turn)
+        turn = admission.turn_start(conversation=conversation, text="Tell me a long story about the sea.")
+        lifecycle.turn_cancel(turn=turn)  # still queued: cancelled at once, and the node's claim is refused
     turn = wait_for_turn(turn)
     assert turn.status == Turn.Status.CANCELLED
     assert turn.finish_reason == "cancelled"
-    assert turn.completion_tokens == 0  # stopped before its first token: no empty reply is stored
+    assert not turn.completion_tokens and turn.started_at is None  # never ran: no empty reply is stored
     assert turn.assistant_message is None
     assert Message.objects.filter(pk=turn.user_message_id).exists()
 
@@ -75,9 +76,9 @@ def test_a_redelivered_task_does_not_store_a_second_reply(node):
     from router.services import queue_for_node
 
     conversation = ConversationFactory.create()
-    turn = wait_for_turn(services.turn_start(conversation=conversation, text="Hi"))
+    turn = wait_for_turn(admission.turn_start(conversation=conversation, text="Hi"))
     generate.apply_async(args=(turn.pk,), queue=queue_for_node(node))
-    follow_up = wait_for_turn(services.turn_start(conversation=conversation, text="Hello again"))
+    follow_up = wait_for_turn(admission.turn_start(conversation=conversation, text="Hello again"))
     assert follow_up.status == Turn.Status.DONE
     assert conversation.messages.filter(role=Message.Role.ASSISTANT).count() == 2
 
@@ -85,10 +86,10 @@ def test_a_redelivered_task_does_not_store_a_second_reply(node):
 def test_a_failed_turn_can_be_retried_and_then_succeeds(node):
     conversation = ConversationFactory.create(strategy="full")
     big = MessageFactory.create(conversation=conversation, content=" ".join(f"w{j}" for j in range(3000)))
-    turn = wait_for_turn(services.turn_start(conversation=conversation, text="Hello?"))
+    turn = wait_for_turn(admission.turn_start(conversation=conversation, text="Hello?"))
     assert turn.status == Turn.Status.FAILED
     services.message_set_flags(message=big, excluded=True)  # the user drops the culprit from the prompt
-    services.turn_retry(turn=turn)
+    lifecycle.turn_retry(turn=turn)
     turn = wait_for_turn(turn)
     assert turn.status == Turn.Status.DONE and turn.attempt == 1 and turn.error == ""
     assert conversation.messages.filter(role=Message.Role.USER, content="Hello?").count() == 1
@@ -102,7 +103,7 @@ def test_a_long_conversation_switched_to_summary_keeps_answering(node):
         MessageFactory.create(conversation=conversation, role=role, content=content)
     services.conversation_set_strategy(conversation=conversation, strategy="summary")
 
-    first = wait_for_turn(services.turn_start(conversation=conversation, text="What did we talk about?"))
+    first = wait_for_turn(admission.turn_start(conversation=conversation, text="What did we talk about?"))
     assert first.status == Turn.Status.DONE, first.error
     # After the reply, the node summarises what the prompt dropped, in chunks that each fit its context.
     last_dropped = max(first.trace["dropped"])
@@ -113,7 +114,7 @@ def test_a_long_conversation_switched_to_summary_keeps_answering(node):
     summaries = list(Summary.objects.filter(conversation=conversation))
     assert len(summaries) > 1 and all(s.prompt_tokens + SUMMARY_TOKENS <= 4096 for s in summaries)
 
-    second = wait_for_turn(services.turn_start(conversation=conversation, text="And what did we eat?"))
+    second = wait_for_turn(admission.turn_start(conversation=conversation, text="And what did we eat?"))
     assert second.status == Turn.Status.DONE, second.error
     assert "summary" in [segment["kind"] for segment in second.trace["segments"]]
     assert set(first.trace["dropped"]) <= set(second.trace["summarized"])

@@ -9,7 +9,6 @@ import pytest
 from asgiref.sync import async_to_sync
 from django.urls import reverse
 
-from chatapp import streams
 from chatapp.models import Conversation, Message, Turn, UserFact
 from chatapp.turns import admission
 from chatapp.validation import TurnRejected

@@ -20,6 +20,7 @@ from chatapp.experiments.replay import parse_strategies, replay_user
 from chatapp.experiments.sources import SourceError
 from chatapp.memory.base import AssembledPrompt, Segment, StoredMessage
 from chatapp.models import Conversation
+from chatapp.validation import TurnRejected
 from inference.chat_format import ChatMessage, GemmaChatFormat
 from inference.session_cache import common_prefix
 from tests.experiments.locomo_sample import locomo_record
@@ -103,9 +104,9 @@ def test_a_stored_conversation_keeps_its_times_and_names_and_is_stored_once(db, 
 def test_an_import_with_a_bad_message_stores_nothing(db):
     when = datetime(2023, 5, 8, tzinfo=UTC)
     messages = [services.ImportedMessage("user", "Hello", when), services.ImportedMessage("user", " \x00 ", when)]
-    with pytest.raises(services.TurnRejected, match="Message 2: The message is empty"):
+    with pytest.raises(TurnRejected, match="Message 2: The message is empty"):
         services.conversation_import(owner=replay_user(), title="bad", messages=messages)
-    with pytest.raises(services.TurnRejected, match="role must be user or assistant"):
+    with pytest.raises(TurnRejected, match="role must be user or assistant"):
         services.conversation_import(
             owner=replay_user(), title="bad", messages=[services.ImportedMessage("system", "Hi", when)]
         )

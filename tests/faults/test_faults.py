@@ -20,9 +20,10 @@ import pytest
 import redis
 from django.db import connection
 
-from chatapp import services, streams
+from chatapp import streams
 from chatapp.api.keys import api_key_create
 from chatapp.models import Message, Turn
+from chatapp.turns import admission
 from router.models import Node
 from tests.conftest import free_port, start_node, start_web, stop_node
 from tests.factories import ConversationFactory, UserFactory
@@ -140,7 +141,7 @@ def restart_postgres() -> None:
 
 def test_postgres_restarting_mid_reply_loses_nothing(node, asgi_server):
     conversation = ConversationFactory.create()
-    turn = services.turn_start(conversation=conversation, text=LONG_PROMPT, sampling=LONG_REPLY)
+    turn = admission.turn_start(conversation=conversation, text=LONG_PROMPT, sampling=LONG_REPLY)
     wait_until(lambda: sum(e["type"] == "token" for e in streams.read_all(turn.stream_name)) >= 6, what="tokens")
 
     restart_postgres()
@@ -151,7 +152,7 @@ def test_postgres_restarting_mid_reply_loses_nothing(node, asgi_server):
     assert reply_text(turn) == streamed  # the node stored what it streamed, once
     assert replies_stored(turn) == 1
     # Recovered without help: the node takes the next turn, the web process serves pages.
-    second = wait_for_turn(services.turn_start(conversation=conversation, text="Thanks!", sampling={"max_tokens": 8}))
+    second = wait_for_turn(admission.turn_start(conversation=conversation, text="Thanks!", sampling={"max_tokens": 8}))
     assert second.status == Turn.Status.DONE, second.error
     with urllib.request.urlopen(f"{asgi_server}/login/", timeout=10) as page:
         assert page.status == 200
@@ -187,7 +188,7 @@ def test_the_web_process_killed_mid_stream_and_restarted_resumes_without_loss(no
     port = free_port()
     web, url = start_web(test_database, port=port, log_name="web-restart")
     conversation = ConversationFactory.create(owner=signed_in.user)
-    turn = services.turn_start(conversation=conversation, text=LONG_PROMPT, sampling=LONG_REPLY)
+    turn = admission.turn_start(conversation=conversation, text=LONG_PROMPT, sampling=LONG_REPLY)
     texts: list[str] = []
     first = EventStream(events_url(url, turn), session_cookie=signed_in.cookie)
     read_tokens(first, texts, at_most=5)
@@ -211,7 +212,7 @@ def test_the_web_process_killed_mid_stream_and_restarted_resumes_without_loss(no
 
 def test_a_browser_that_goes_away_mid_stream_still_gets_its_reply_stored(node, signed_in, asgi_server):
     conversation = ConversationFactory.create(owner=signed_in.user)
-    turn = services.turn_start(conversation=conversation, text=LONG_PROMPT, sampling=LONG_REPLY)
+    turn = admission.turn_start(conversation=conversation, text=LONG_PROMPT, sampling=LONG_REPLY)
     stream = EventStream(events_url(asgi_server, turn), session_cookie=signed_in.cookie)
     read_tokens(stream, [], at_most=3)
     stream.close()  # the tab closed: the reply goes on, for when the person comes back

@@ -44,7 +44,7 @@ def test_a_node_that_misses_heartbeats_is_reaped_and_its_sessions_move(nodes, se
     node = services.session_node(session_key="s")
     Node.objects.filter(pk=node.pk).update(last_heartbeat=timezone.now() - timedelta(seconds=60))
     assert services.nodes_reap() == [node.name]
-    assert Node.objects.get(pk=node.pk).status == Node.Status.DOWN
+    assert Node.objects.get(pk=node.pk).status == Node.Status.UNRESPONSIVE
     assert services.session_node(session_key="s") != node
 
 

@@ -16,7 +16,7 @@ from django.contrib.auth.models import User
 from django.core.management.base import BaseCommand, CommandError
 from django.db import connection
 
-from chatapp import loadtest
+from chatapp import loadtest, quotas
 from chatapp.api.keys import api_key_create
 from chatapp.datasets import chitchat_conversations
 from inference.benchmark import run_parallel
@@ -80,6 +80,7 @@ class Command(BaseCommand):
 
     def _load(self, run: str, prefix: str, port: int, processes: dict[str, subprocess.Popen], o) -> dict:
         user, _ = User.objects.get_or_create(username="loadtest")
+        quotas.grant_unlimited_use(user)
         _, key = api_key_create(owner=user, name=f"load test {run}")
         conversations = list(islice(chitchat_conversations(min_messages=12), o["sessions"]))
         clients = [loadtest.ClientStats() for _ in range(o["sessions"])]

@@ -6,10 +6,11 @@ from django.core.management.base import BaseCommand
 from chatapp.celery import app
 from chatapp.health import require_services
 from chatapp.node_heartbeat import Heartbeat
+from chatapp.node_identity import incarnation
+from chatapp.turns.recovery import turns_hand_off, turns_take_back
 from inference.config import EngineConfig
 from inference.engine import get_engine
-from router.models import Node
-from router.services import node_set_status, node_start, queue_for_node
+from router.services import node_start, node_stop, queue_for_node
 
 
 class Command(BaseCommand):
@@ -30,8 +31,10 @@ class Command(BaseCommand):
         started = time.perf_counter()
         engine = get_engine()
         self.stdout.write(f"node {name}: {engine.name} engine loaded in {time.perf_counter() - started:.1f}s")
-        node_start(name=name, capacity=concurrency)
-        heartbeat = Heartbeat(name=name, capacity=concurrency, engine=engine)
+        node_start(name=name, capacity=concurrency, incarnation=incarnation())
+        if taken := turns_take_back(node=name):
+            self.stdout.write(f"node {name}: took back {taken} turns an earlier process left unfinished")
+        heartbeat = Heartbeat(name=name, incarnation=incarnation(), capacity=concurrency, engine=engine)
         heartbeat.start()
         try:
             app.worker_main(
@@ -46,6 +49,7 @@ class Command(BaseCommand):
                     "--without-mingle",
                 ]
             )
-        finally:
+        finally:  # a clean shutdown: running turns are done; queued ones go elsewhere, or fail clearly
             heartbeat.stop()
-            node_set_status(name=name, status=Node.Status.DOWN)
+            if node_stop(name=name, incarnation=incarnation()) and (handed := turns_hand_off(node=name)):
+                self.stdout.write(f"node {name}: handed off {handed} queued turns")

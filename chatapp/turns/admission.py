@@ -1,0 +1,78 @@
+"""Whether a new turn may start, and starting it: every check first, then one transaction that stores the
+user's message and the queued turn. A refused turn stores nothing."""
+
+import re
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models import QuerySet
+
+from chatapp import quotas
+from chatapp.models import Conversation, Message, Turn
+from chatapp.services import fact_save
+from chatapp.turns.lifecycle import turn_create
+from chatapp.turns.recovery import turns_reap
+from chatapp.validation import ContextTooSmall, NodeBusy, NoNodeUp, ReplyInProgress, check_message_text
+from inference.chat_format import ChatMessage
+from inference.config import EngineConfig
+from inference.tokenizer import chat_format_for
+from router.services import NoHealthyNode, session_node
+
+_REMEMBER = re.compile(r"^\s*remember that\s+(?P<fact>.+)", re.IGNORECASE | re.DOTALL)
+
+
+def check_message_fits(text: str) -> None:
+    """Refuse a message that alone cannot fit the context with room for the reply."""
+    config = EngineConfig()
+    fmt = chat_format_for(config.MODEL_PATH)
+    tokens = fmt.count([ChatMessage("user", text)])
+    if tokens + fmt.overhead + config.MAX_REPLY_TOKENS > config.N_CTX:
+        raise ContextTooSmall(
+            f"The message is {tokens:,} tokens; with room for a reply it does not fit the model's "
+            f"{config.N_CTX:,}-token context. Shorten it or send it in parts."
+        )
+
+
+def reap_unfinished(turns: QuerySet[Turn]) -> None:
+    """Send on, or fail, those of these unfinished turns whose node is gone (`turns_reap`), so that a
+    conversation is never blocked by a turn no node will finish. Call before the transaction that checks
+    for a reply in progress: a refusal rolling that back must not bring the orphan back."""
+    for turn_id in turns.exclude(status__in=Turn.FINISHED).values_list("pk", flat=True):
+        turns_reap(turn_id=turn_id)
+
+
+def turn_start(
+    *, conversation: Conversation, text: str, sampling: dict | None = None, policy: str | None = None
+) -> Turn:
+    """Store the user's message and its queued turn; its task is queued once both are durable.
+
+    Every check runs before anything is written: the text, its size, one reply at a time, the user's
+    quotas, a node to run it and room in that node's queue. Called inside a caller's transaction (an API
+    request that stores resent history first), a refusal rolls that back too. `sampling` overrides the
+    node's defaults (fields of inference.engine.Sampling); `policy` is a routing policy alias.
+    """
+    text = check_message_text(text)
+    check_message_fits(text)
+    reap_unfinished(conversation.turns.all())
+    with transaction.atomic():
+        conversation = Conversation.objects.select_for_update().get(pk=conversation.pk)
+        if conversation.turns.exclude(status__in=Turn.FINISHED).exists():
+            raise ReplyInProgress("A reply is still being written; wait for it or stop it first.")
+        quotas.check_new_turn(user_id=conversation.owner_id)
+        try:
+            node = session_node(session_key=conversation.session_key, policy=policy)
+        except NoHealthyNode as exc:
+            raise NoNodeUp(str(exc)) from exc
+        unfinished = Turn.objects.filter(node=node.name).exclude(status__in=Turn.FINISHED).count()
+        if unfinished >= node.capacity * settings.CHAT_QUEUE_PER_SLOT:
+            raise NodeBusy(f"The model is busy ({unfinished} replies queued); try again in a few seconds.")
+        user_message = Message.objects.create(conversation=conversation, role=Message.Role.USER, content=text)
+        turn = turn_create(
+            conversation=conversation, user_message=user_message, node=node.name, sampling=sampling or {}
+        )
+        if remembered := _REMEMBER.match(text):  # "remember that ..." also saves a fact
+            fact_save(owner=conversation.owner, text=remembered["fact"])
+        if not conversation.title:
+            conversation.title = text.splitlines()[0][:60]
+        conversation.save(update_fields=["title", "updated_at"])
+    return turn

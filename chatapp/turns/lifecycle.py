@@ -1,0 +1,272 @@
+"""A turn's life, in one place: its states, the moves allowed between them, and each move as one function
+that locks the turn's row, checks the attempt, and defers its side effects to the commit.
+
+    queued ──claim──▶ running ──finish──▶ done | cancelled
+      │ ▲               │
+      │ └───resend──────┤    a new attempt: its node died, stalled, was replaced or shut down
+      ├─────fail────────┴──▶ failed ──retry──▶ queued (a new attempt)
+      └─────cancel──────────▶ cancelled
+
+Side effects wait for the commit (`transaction.on_commit`): the task is queued on its node, the stream's
+fencing token moves to the new attempt (an older one can no longer write to it), and stream events carry
+their attempt. Every write a node makes (claim, prompt, reply, failure) names its attempt; a stale one
+changes nothing. Nothing else writes a turn.
+"""
+
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from django.db import InterfaceError, OperationalError, connection, transaction
+from django.utils import timezone
+from kombu.exceptions import KombuError
+from redis.exceptions import RedisError
+
+from chatapp import quotas, streams
+from chatapp.models import Conversation, Message, Turn
+from chatapp.turns.events import end_event
+from chatapp.validation import NoNodeUp, ReplyInProgress, TurnRejected
+from router.services import NoHealthyNode, queue_for_node, session_node
+
+if TYPE_CHECKING:
+    from inference.engine import Generation
+
+logger = logging.getLogger(__name__)
+Status = Turn.Status
+DATABASE_RETRY_S = 60
+
+ALLOWED: dict[str, set[str]] = {
+    Status.QUEUED: {Status.RUNNING, Status.QUEUED, Status.FAILED, Status.CANCELLED},
+    Status.RUNNING: {Status.DONE, Status.CANCELLED, Status.FAILED, Status.QUEUED},
+    Status.FAILED: {Status.QUEUED},
+    Status.DONE: set(),
+    Status.CANCELLED: set(),
+}
+
+
+def _locked(turn_id: int, *, to: str | None, attempt: int | None = None) -> Turn | None:
+    """The turn, locked for this transaction, if it may move to `to` (None: stay running) and is still at
+    `attempt` (None: any); else None. Call inside `transaction.atomic()`."""
+    turn = Turn.objects.select_for_update(of=("self",)).select_related("conversation").get(pk=turn_id)
+    if attempt is not None and turn.attempt != attempt:
+        return None
+    allowed = turn.status == Status.RUNNING if to is None else to in ALLOWED[turn.status]
+    return turn if allowed else None
+
+
+def _reconnecting[T](write: Callable[[], T]) -> T:
+    """Run a node's transition, reconnecting and trying again while Postgres is unreachable (it restarts)
+    for up to DATABASE_RETRY_S. Each transition checks its attempt under the row lock, so one that
+    committed before its connection broke is a no-op the second time."""
+    deadline = time.monotonic() + DATABASE_RETRY_S
+    while True:
+        try:
+            return write()
+        except (OperationalError, InterfaceError) as exc:
+            if time.monotonic() > deadline:
+                raise
+            logger.warning("database unreachable (%s); trying again", str(exc).strip().splitlines()[0])
+            connection.close()
+            time.sleep(1)
+
+
+def _announce(turn: Turn, event: dict[str, Any]) -> None:
+    attempt = turn.attempt
+    transaction.on_commit(lambda: streams.publish_or_log(turn.stream_name, event, attempt=attempt))
+
+
+def _dispatch(turn: Turn) -> None:
+    """Queue the turn's task on its node. The turn is already stored: if the broker is unreachable, the
+    node finds the turn by its age (`recovery.turns_reap`) once the broker is back."""
+    from chatapp.tasks import generate
+
+    try:
+        generate.apply_async(args=(turn.pk, turn.attempt), queue=queue_for_node(turn.node))
+    except (KombuError, RedisError, OSError) as exc:
+        logger.warning("turn %s not queued yet (%s); its node will pick it up", turn.pk, exc)
+
+
+def _queue(turn: Turn, *, node: str) -> None:
+    """Make the locked turn a new attempt queued on `node`; once committed, fence off older attempts and
+    queue the task."""
+    turn.node, turn.node_incarnation = node, ""
+    turn.status, turn.error, turn.finished_at, turn.queued_at = Status.QUEUED, "", None, timezone.now()
+    turn.attempt += 1
+    turn.save(update_fields=["node", "node_incarnation", "status", "error", "finished_at", "attempt", "queued_at"])
+    attempt = turn.attempt
+
+    def side_effects() -> None:
+        try:
+            streams.fence(turn.stream_name, attempt)
+        except RedisError as exc:  # the new attempt's own first event raises the fence as well
+            logger.warning("turn %s: stream not fenced yet (%s)", turn.pk, exc)
+        _dispatch(turn)
+
+    transaction.on_commit(side_effects)
+
+
+# The web: a new turn, retry, cancel -------------------------------------------------
+
+
+def turn_create(*, conversation: Conversation, user_message: Message, node: str, sampling: dict) -> Turn:
+    """A queued turn answering `user_message` on `node`; its task is queued once it is committed.
+    Call inside the transaction that stored the message (`admission.turn_start` does)."""
+    turn = Turn.objects.create(
+        conversation=conversation,
+        user_message=user_message,
+        node=node,
+        strategy=conversation.strategy,
+        strategy_options=conversation.strategy_options,
+        sampling=sampling,
+    )
+    transaction.on_commit(lambda: _dispatch(turn))
+    return turn
+
+
+def turn_retry(*, turn: Turn) -> None:
+    """Send a failed turn again, as a new attempt, if it is its conversation's latest turn and nothing else
+    is being written there; its user message stays as it was."""
+    with transaction.atomic():
+        Conversation.objects.select_for_update().get(pk=turn.conversation_id)  # one reply at a time
+        locked = _locked(turn.pk, to=Status.QUEUED)
+        if locked is None or locked.status != Status.FAILED:
+            raise TurnRejected("Only a failed reply can be retried.")
+        later = Turn.objects.filter(conversation_id=turn.conversation_id, pk__gt=turn.pk)
+        if later.exclude(status__in=Turn.FINISHED).exists():
+            raise ReplyInProgress("A later reply is still being written; wait for it or stop it first.")
+        if later.exists():
+            raise TurnRejected("Only the conversation's latest reply can be retried.")
+        try:
+            node = session_node(session_key=locked.conversation.session_key)
+        except NoHealthyNode as exc:
+            raise NoNodeUp(str(exc)) from exc
+        _queue(locked, node=node.name)
+
+
+def turn_cancel(*, turn: Turn) -> None:
+    """Stop the turn: a queued one is cancelled at once; a running one stops at its next token, and the
+    node keeps the partial reply."""
+    with transaction.atomic():
+        locked = _locked(turn.pk, to=Status.CANCELLED)
+        if locked is not None and locked.status == Status.QUEUED:
+            locked.status, locked.finish_reason, locked.finished_at = Status.CANCELLED, "cancelled", timezone.now()
+            locked.save(update_fields=["status", "finish_reason", "finished_at"])
+            _announce(locked, end_event(locked))
+            return
+    if locked is not None:
+        streams.request_cancel(turn.stream_name)
+
+
+# Recovery: a new attempt, or a clear failure ---------------------------------------
+
+
+def turn_resend(*, turn_id: int, attempt: int, still: Callable[[Turn], bool] = lambda turn: True) -> bool | None:
+    """Route an unfinished turn again and queue it as a new attempt, if it is still at `attempt` and `still`
+    holds under its row lock: True if sent, None if stale (finished, moved on, or `still` fails), False
+    if no node is up to take it."""
+    with transaction.atomic():
+        turn = _locked(turn_id, to=Status.QUEUED, attempt=attempt)
+        if turn is None or turn.status == Status.FAILED or not still(turn):
+            return None
+        try:
+            node = session_node(session_key=turn.conversation.session_key)
+        except NoHealthyNode:
+            return False
+        _queue(turn, node=node.name)
+    return True
+
+
+def turn_fail(*, turn_id: int, attempt: int, error: str, code: str = "generation_failed") -> bool:
+    """Mark the turn failed, with an error for its reader, if it is still unfinished at `attempt`."""
+
+    def fail() -> bool:
+        with transaction.atomic():
+            turn = _locked(turn_id, to=Status.FAILED, attempt=attempt)
+            if turn is None:
+                return False
+            turn.status, turn.error, turn.finished_at = Status.FAILED, error[:2000], timezone.now()
+            turn.save(update_fields=["status", "error", "finished_at"])
+            _announce(turn, {"type": "error", "error": turn.error, "code": code})
+        return True
+
+    return _reconnecting(fail)
+
+
+# The node: claim, record the prompt, finish ----------------------------------------
+
+
+def turn_claim(*, turn_id: int, attempt: int, node: str, incarnation: str) -> Turn | None:
+    """Start running the turn on this node process, if it is queued at `attempt`; None otherwise (finished,
+    or sent again since this task was queued). Announces the attempt's start on the stream."""
+
+    def claim() -> Turn | None:
+        with transaction.atomic():
+            turn = _locked(turn_id, to=Status.RUNNING, attempt=attempt)
+            if turn is None or turn.status != Status.QUEUED:
+                return None
+            turn.status, turn.node, turn.node_incarnation = Status.RUNNING, node, incarnation
+            turn.started_at = timezone.now()
+            turn.queue_ms = (turn.started_at - turn.created_at).total_seconds() * 1000
+            turn.save(update_fields=["status", "node", "node_incarnation", "started_at", "queue_ms"])
+            _announce(turn, {"type": "start", "node": node})
+        return turn
+
+    return _reconnecting(claim)
+
+
+def turn_record_prompt(*, turn: Turn, fields: dict[str, Any]) -> bool:
+    """Store what the running attempt's strategy resent and dropped; False if the attempt is stale."""
+
+    def record() -> bool:
+        with transaction.atomic():
+            locked = _locked(turn.pk, to=None, attempt=turn.attempt)
+            if locked is None:
+                return False
+            Turn.objects.filter(pk=turn.pk).update(**fields)
+        for name, value in fields.items():
+            setattr(turn, name, value)
+        return True
+
+    return _reconnecting(record)
+
+
+_FINISH_FIELDS = ["assistant_message", "status", "finish_reason", *Turn.MEASUREMENTS, "finished_at"]
+
+
+def turn_finish(*, turn: Turn, generation: "Generation") -> Turn | None:
+    """Store the running attempt's reply and measurements and announce its end; None if the attempt is
+    stale or the turn already finished (nothing stored, nothing streamed)."""
+
+    def finish() -> Turn | None:
+        with transaction.atomic():
+            locked = _locked(turn.pk, to=Status.DONE, attempt=turn.attempt)
+            if locked is None:
+                return None
+            if generation.token_ids:  # a reply stopped before its first token leaves no message
+                locked.assistant_message = Message.objects.create(
+                    conversation_id=turn.conversation_id,
+                    role=Message.Role.ASSISTANT,
+                    content=generation.text,
+                    token_ids=generation.token_ids,
+                )
+            cancelled = generation.finish_reason == "cancelled"
+            locked.status = Status.CANCELLED if cancelled else Status.DONE
+            locked.finish_reason = generation.finish_reason
+            locked.prompt_tokens = generation.prompt_tokens
+            locked.cached_tokens = generation.cached_tokens
+            locked.restored_from_ram = generation.restored
+            locked.queue_ms = (locked.queue_ms or 0) + generation.queue_ms
+            locked.completion_tokens = len(generation.token_ids)
+            locked.prefill_ms = generation.prefill_ms
+            locked.ttft_ms = generation.ttft_ms
+            locked.decode_tokens_per_s = generation.decode_tokens_per_s
+            locked.finished_at = timezone.now()
+            locked.save(update_fields=_FINISH_FIELDS)
+            _announce(locked, end_event(locked))
+            used = generation.prompt_tokens + len(generation.token_ids)
+            owner = locked.conversation.owner_id
+            transaction.on_commit(lambda: quotas.charge_tokens(user_id=owner, tokens=used))
+        return locked
+
+    return _reconnecting(finish)

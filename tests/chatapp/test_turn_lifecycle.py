@@ -1,0 +1,161 @@
+"""A turn's transitions, each under its row lock and its attempt (Postgres and Redis, no node needed)."""
+
+import uuid
+from types import SimpleNamespace
+
+import pytest
+
+from chatapp import quotas, services, streams
+from chatapp.models import Message, Turn
+from chatapp.turns import admission, lifecycle
+from chatapp.turns.recovery import turns_reap
+from chatapp.validation import NoNodeUp, QuotaExceeded, ReplyInProgress, TurnRejected
+from router.models import Node
+from tests.factories import ConversationFactory, MessageFactory, NodeFactory
+
+
+def generation(text: str = "Hi there.") -> SimpleNamespace:
+    """What an engine returns, as `turn_finish` reads it."""
+    return SimpleNamespace(
+        text=text,
+        token_ids=[1, 2, 3],
+        finish_reason="stop",
+        prompt_tokens=10,
+        cached_tokens=0,
+        restored=False,
+        queue_ms=0.0,
+        prefill_ms=1.0,
+        ttft_ms=1.0,
+        decode_tokens_per_s=10.0,
+    )
+
+
+def running_turn(idle_node, *, incarnation: str = "a") -> Turn:
+    turn = admission.turn_start(conversation=ConversationFactory.create(), text="hello")
+    claimed = lifecycle.turn_claim(turn_id=turn.pk, attempt=0, node=idle_node.name, incarnation=incarnation)
+    assert claimed is not None and claimed.status == Turn.Status.RUNNING
+    return claimed
+
+
+def test_the_declared_transitions_are_the_only_ones():
+    finished = {s for s, targets in lifecycle.ALLOWED.items() if not targets}
+    assert finished == set(Turn.FINISHED) - {Turn.Status.FAILED}
+    assert lifecycle.ALLOWED[Turn.Status.FAILED] == {Turn.Status.QUEUED}  # retry, as a new attempt
+
+
+def test_a_stale_attempt_writes_nothing_to_postgres(db, idle_node):
+    stale = running_turn(idle_node)
+    assert lifecycle.turn_resend(turn_id=stale.pk, attempt=0) is True  # its node was lost: attempt 1
+    assert lifecycle.turn_claim(turn_id=stale.pk, attempt=0, node="old", incarnation="a") is None
+    assert not lifecycle.turn_record_prompt(turn=stale, fields={"prompt_text": "stale"})
+    assert lifecycle.turn_finish(turn=stale, generation=generation("stale reply")) is None
+    assert not lifecycle.turn_fail(turn_id=stale.pk, attempt=0, error="stale failure")
+    turn = Turn.objects.get(pk=stale.pk)
+    assert (turn.status, turn.attempt, turn.prompt_text, turn.error) == (Turn.Status.QUEUED, 1, "", "")
+    assert not Message.objects.filter(role="assistant").exists()
+
+    current = lifecycle.turn_claim(turn_id=turn.pk, attempt=1, node=idle_node.name, incarnation="b")
+    assert current is not None
+    finished = lifecycle.turn_finish(turn=current, generation=generation())
+    assert finished is not None and finished.status == Turn.Status.DONE
+    assert lifecycle.turn_finish(turn=current, generation=generation("again")) is None  # stored once
+    assert list(Message.objects.filter(role="assistant").values_list("content", flat=True)) == ["Hi there."]
+
+
+def test_a_stale_attempt_writes_nothing_to_the_stream():
+    key = f"test-{uuid.uuid4().hex}"
+    assert streams.publish(key, {"type": "token", "text": "old "}, attempt=0)
+    streams.fence(key, 1)  # the turn was sent again
+    assert not streams.publish(key, {"type": "token", "text": "stale"}, attempt=0)
+    assert streams.publish(key, {"type": "start", "node": "b"}, attempt=1)
+    streams.fence(key, 0)  # a fence never goes back
+    assert not streams.publish(key, {"type": "token", "text": "stale"}, attempt=0)
+    assert [(e["type"], e["attempt"]) for e in streams.read_all(key)] == [("token", 0), ("start", 1)]
+
+
+def test_retry_keeps_one_reply_at_a_time(db, idle_node):
+    turn = running_turn(idle_node)
+    assert lifecycle.turn_fail(turn_id=turn.pk, attempt=0, error="boom")
+    later = admission.turn_start(conversation=turn.conversation, text="next")  # a later message, still running
+    with pytest.raises(ReplyInProgress):
+        lifecycle.turn_retry(turn=turn)
+    lifecycle.turn_cancel(turn=later)  # queued: cancelled at once
+    assert Turn.objects.get(pk=later.pk).status == Turn.Status.CANCELLED
+    with pytest.raises(TurnRejected, match="latest reply"):
+        lifecycle.turn_retry(turn=turn)
+    assert Turn.objects.get(pk=turn.pk).status == Turn.Status.FAILED
+
+
+def test_a_turn_held_by_a_replaced_incarnation_is_sent_again(db, idle_node):
+    turn = running_turn(idle_node, incarnation="before-restart")
+    Node.objects.filter(pk=idle_node.pk).update(incarnation="after-restart")
+    assert turns_reap() == 1
+    turn.refresh_from_db()
+    assert (turn.status, turn.attempt, turn.node_incarnation) == (Turn.Status.QUEUED, 1, "")
+
+
+def test_a_turn_on_a_dead_node_fails_clearly_once_no_node_has_come_back(db, idle_node, settings):
+    turn = running_turn(idle_node)
+    Node.objects.update(status=Node.Status.DOWN)
+    settings.CHAT_ORPHAN_SECONDS = 3600
+    assert turns_reap() == 0  # no node to take it: it waits
+    assert Turn.objects.get(pk=turn.pk).status == Turn.Status.RUNNING
+    settings.CHAT_ORPHAN_SECONDS = 0
+    assert turns_reap() == 1
+    turn.refresh_from_db()
+    assert turn.status == Turn.Status.FAILED and "No inference node" in turn.error
+
+
+def test_a_conversation_is_never_blocked_by_a_turn_no_node_will_finish(db, idle_node, settings):
+    turn = running_turn(idle_node)
+    spare = NodeFactory.create(name="spare")
+    Node.objects.filter(pk=idle_node.pk).update(status=Node.Status.DOWN)
+    with pytest.raises(ReplyInProgress):  # its node is down: it went on to the spare node, and is written there
+        admission.turn_start(conversation=turn.conversation, text="hello again")
+    turn.refresh_from_db()
+    assert (turn.node, turn.attempt, turn.status) == (spare.name, 1, Turn.Status.QUEUED)
+
+    Node.objects.update(status=Node.Status.DOWN)  # now no node is up at all
+    settings.CHAT_ORPHAN_SECONDS = 0
+    with pytest.raises(NoNodeUp):  # a 503 saying so, not "a reply is still being written"
+        admission.turn_start(conversation=turn.conversation, text="hello again")
+    turn.refresh_from_db()
+    assert turn.status == Turn.Status.FAILED and "No inference node" in turn.error
+
+
+def test_fair_use_limits_per_user(db, idle_node, settings):
+    settings.CHAT_USER_MAX_RUNNING_TURNS = 2
+    owner = ConversationFactory.create().owner
+    for _ in range(2):
+        admission.turn_start(conversation=ConversationFactory.create(owner=owner), text="hi")
+    with pytest.raises(QuotaExceeded, match="limit is 2") as refused:
+        admission.turn_start(conversation=ConversationFactory.create(owner=owner), text="hi")
+    assert refused.value.retry_after and refused.value.status == 429
+    admission.turn_start(conversation=ConversationFactory.create(), text="someone else is served")
+    quotas.grant_unlimited_use(owner)
+    admission.turn_start(conversation=ConversationFactory.create(owner=owner), text="the replay's account")
+
+
+def test_tokens_per_minute_are_shared_and_answered_with_retry_after(db, idle_node, settings):
+    settings.CHAT_USER_TOKENS_PER_MINUTE = 1000
+    conversation = ConversationFactory.create()
+    quotas.charge_tokens(user_id=conversation.owner_id, tokens=1000)
+    with pytest.raises(QuotaExceeded, match="1,000 tokens this minute") as refused:
+        admission.turn_start(conversation=conversation, text="hi")
+    assert 0 < refused.value.retry_after <= 61
+    assert not Message.objects.exists()
+
+
+def test_caps_on_facts_pins_and_conversations(db, settings):
+    settings.CHAT_USER_MAX_FACTS, settings.CHAT_MAX_PINS_PER_CONVERSATION = 1, 1
+    settings.CHAT_USER_MAX_CONVERSATIONS = 1
+    conversation = ConversationFactory.create()
+    services.fact_save(owner=conversation.owner, text="I like tea.")
+    with pytest.raises(TurnRejected, match="1 saved facts"):
+        services.fact_save(owner=conversation.owner, text="I like coffee.")
+    first, second = MessageFactory.create_batch(2, conversation=conversation)
+    services.message_set_flags(message=first, pinned=True)
+    with pytest.raises(TurnRejected, match="1 pinned messages"):
+        services.message_set_flags(message=second, pinned=True)
+    with pytest.raises(TurnRejected, match="1 conversations"):
+        services.conversation_create(owner=conversation.owner)
