@@ -1,7 +1,6 @@
 """A turn's transitions, each under its row lock and its attempt (Postgres and Redis, no node needed)."""
 
 import uuid
-from types import SimpleNamespace
 
 import pytest
 
@@ -10,13 +9,14 @@ from chatapp.models import Message, Turn
 from chatapp.turns import admission, lifecycle
 from chatapp.turns.recovery import turns_reap
 from chatapp.validation import NoNodeUp, QuotaExceeded, ReplyInProgress, TurnRejected
+from inference.engine import Generation
 from router.models import Node
 from tests.factories import ConversationFactory, MessageFactory, NodeFactory
 
 
-def generation(text: str = "Hi there.") -> SimpleNamespace:
-    """What an engine returns, as `turn_finish` reads it."""
-    return SimpleNamespace(
+def generation(text: str = "Hi there.") -> Generation:
+    """What an engine returns for a short reply."""
+    return Generation(
         text=text,
         token_ids=[1, 2, 3],
         finish_reason="stop",
@@ -142,7 +142,7 @@ def test_tokens_per_minute_are_shared_and_answered_with_retry_after(db, idle_nod
     quotas.charge_tokens(user_id=conversation.owner_id, tokens=1000)
     with pytest.raises(QuotaExceeded, match="1,000 tokens this minute") as refused:
         admission.turn_start(conversation=conversation, text="hi")
-    assert 0 < refused.value.retry_after <= 61
+    assert refused.value.retry_after is not None and 0 < refused.value.retry_after <= 61
     assert not Message.objects.exists()
 
 
