@@ -125,6 +125,8 @@ class Turn(models.Model):
     prompt_token_ids = ArrayField(models.IntegerField(), null=True, blank=True)
     finish_reason = models.CharField(max_length=16, blank=True)
     error = models.TextField(blank=True)
+    # What kind of failure, for API clients: generation_failed, context_length_exceeded, no_node.
+    error_code = models.CharField(max_length=32, blank=True)
     prompt_tokens = models.PositiveIntegerField(null=True, blank=True)
     cached_tokens = models.PositiveIntegerField(null=True, blank=True)
     restored_from_ram = models.BooleanField(default=False, help_text="The session's KV state came back from host RAM.")

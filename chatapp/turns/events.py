@@ -9,7 +9,8 @@ from chatapp.models import Turn
 def end_event(turn: Turn) -> dict[str, Any]:
     """The done or error event for a finished turn."""
     if turn.status == Turn.Status.FAILED:
-        return {"type": "error", "error": turn.error, "code": "generation_failed", "attempt": turn.attempt}
+        code = turn.error_code or "generation_failed"
+        return {"type": "error", "error": turn.error, "code": code, "attempt": turn.attempt}
     reply = turn.assistant_message
     return {
         "type": "done",

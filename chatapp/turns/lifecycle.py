@@ -91,9 +91,11 @@ def _queue(turn: Turn, *, node: str) -> None:
     """Make the locked turn a new attempt queued on `node`; once committed, fence off older attempts and
     queue the task."""
     turn.node, turn.node_incarnation = node, ""
-    turn.status, turn.error, turn.finished_at, turn.queued_at = Status.QUEUED, "", None, timezone.now()
+    turn.status, turn.error, turn.error_code = Status.QUEUED, "", ""
+    turn.finished_at, turn.queued_at = None, timezone.now()
     turn.attempt += 1
-    turn.save(update_fields=["node", "node_incarnation", "status", "error", "finished_at", "attempt", "queued_at"])
+    fields = ["node", "node_incarnation", "status", "error", "error_code", "finished_at", "attempt", "queued_at"]
+    turn.save(update_fields=fields)
     attempt = turn.attempt
 
     def side_effects() -> None:
@@ -185,9 +187,10 @@ def turn_fail(*, turn_id: int, attempt: int, error: str, code: str = "generation
             turn = _locked(turn_id, to=Status.FAILED, attempt=attempt)
             if turn is None:
                 return False
-            turn.status, turn.error, turn.finished_at = Status.FAILED, error[:2000], timezone.now()
-            turn.save(update_fields=["status", "error", "finished_at"])
-            _announce(turn, {"type": "error", "error": turn.error, "code": code})
+            turn.status, turn.error, turn.error_code = Status.FAILED, error[:2000], code
+            turn.finished_at = timezone.now()
+            turn.save(update_fields=["status", "error", "error_code", "finished_at"])
+            _announce(turn, end_event(turn))
         return True
 
     return _reconnecting(fail)
