@@ -10,7 +10,7 @@ from django.http import Http404, HttpRequest, HttpResponse, StreamingHttpRespons
 
 from chatapp import selectors, streams
 from chatapp.models import Turn
-from chatapp.turn_events import follow_turn
+from chatapp.turn_events import follow_turn, release_database
 
 KEEPALIVE = ": keep-alive\n\n"
 
@@ -33,6 +33,7 @@ async def turn_events(request: HttpRequest, conversation_id: int, turn_id: int) 
         return HttpResponse("Live updates are unavailable for a moment.", status=503, headers={"Retry-After": "2"})
     if turn.is_finished and streams.entry_order(last) <= streams.entry_order(after):
         return HttpResponse(status=204)  # nothing more will come: tells EventSource to stop reconnecting
+    await release_database()
     response = StreamingHttpResponse(_events(turn, after), content_type="text/event-stream")
     response["Cache-Control"] = "no-cache"
     response["X-Accel-Buffering"] = "no"

@@ -6,7 +6,6 @@ import logging
 import re
 import time
 import weakref
-from collections.abc import AsyncIterator
 from functools import cache
 from typing import Any
 
@@ -166,31 +165,6 @@ def async_client() -> "aioredis.Redis":
     if loop not in _async_clients:
         _async_clients[loop] = aioredis.Redis.from_url(settings.REDIS_URL, decode_responses=True)
     return _async_clients[loop]
-
-
-async def follow(
-    turn_key: str, *, after: str = "0-0", block_ms: int = 15_000
-) -> AsyncIterator[tuple[str, dict[str, Any] | None]]:
-    """Yield (entry id, event) from the turn's stream as the node writes it, until its done or error event,
-    and (after, None) each time `block_ms` passes with nothing new (a reader's chance to send a keep-alive
-    and to look for an end it missed, such as one written while Redis was restarting).
-
-    `after` resumes after an entry id already seen, so a reconnecting reader loses and repeats nothing.
-    """
-    key = stream_key(turn_key)
-    while True:
-        batches: list[tuple[str, list[tuple[str, dict[str, str]]]]] = await async_client().xread(  # type: ignore[assignment]
-            {key: after}, block=block_ms, count=256
-        )
-        if not batches:
-            yield after, None
-        for _, entries in batches or []:
-            for entry_id, fields in entries:
-                after = entry_id
-                event = json.loads(fields["event"])
-                yield entry_id, event
-                if event["type"] in {"done", "error"}:
-                    return
 
 
 async def request_cancel_async(turn_key: str) -> None:

@@ -3,6 +3,7 @@ stream loses the end (Redis restarted without persistence), and in quiet spells 
 is gone sent on or failed (`turns_reap`), so no reader waits on a node that will never answer."""
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -10,23 +11,27 @@ import redis
 from asgiref.sync import sync_to_async
 from django.db import connection
 
-from chatapp import streams
+from chatapp import stream_hub, streams
 from chatapp.models import Turn
 from chatapp.turns.events import end_event
 from chatapp.turns.recovery import turns_reap
 
 RECONNECT_S = 1.0
+logger = logging.getLogger(__name__)
 
 
 async def follow_turn(
     turn: Turn, *, after: str = "0-0", block_ms: int = 15_000
 ) -> AsyncIterator[tuple[str, dict[str, Any] | None]]:
-    """`streams.follow`, riding out a Redis restart (it reconnects and resumes), and ended from the
-    database when the stream goes quiet on a finished turn: a reader never waits for an end event that
-    was lost with a restart. (entry id, None) marks a quiet spell, for keep-alives."""
+    """(entry id, event) from the turn's stream after `after` as the node writes it, until its done or error
+    event, through the web process's one shared reader (`stream_hub`). It rides out a Redis restart (it
+    reconnects and resumes after the last entry seen), and is ended from the database when the stream goes
+    quiet on a finished turn: a reader never waits for an end event lost with a restart. (entry id, None)
+    marks a quiet spell of `block_ms`, for keep-alives."""
     while True:
         try:
-            async for entry_id, event in streams.follow(turn.stream_name, after=after, block_ms=block_ms):
+            key = streams.stream_key(turn.stream_name)
+            async for entry_id, event in stream_hub.hub().follow(key, after=after, block_ms=block_ms):
                 after = entry_id
                 if event is None and (finished := await sync_to_async(_finished)(turn.pk)):
                     yield entry_id, end_event(finished)
@@ -34,12 +39,26 @@ async def follow_turn(
                 yield entry_id, event
                 if event is not None and event["type"] in {"done", "error"}:
                     return
-        except redis.RedisError:
+        except redis.RedisError as exc:
+            logger.warning("turn %s: reading its stream failed (%s); looking in Postgres", turn.pk, exc)
             if finished := await sync_to_async(_finished)(turn.pk):
                 yield after, end_event(finished)
                 return
             yield after, None
             await asyncio.sleep(RECONNECT_S)
+
+
+async def release_database() -> None:
+    """Close this request's database connection before it waits on Redis. A waiting stream then holds none
+    of Postgres's connections (100 by default): open streams are bounded by memory, not by Postgres."""
+    await sync_to_async(_close_connection)()
+
+
+def _close_connection() -> None:
+    """Close the calling thread's connection (looked up in that thread, not the event loop's), unless it is
+    inside a transaction: a test's, whose client runs the view in-process."""
+    if not connection.in_atomic_block:
+        connection.close()
 
 
 def _finished(turn_id: int) -> Turn | None:
@@ -50,4 +69,4 @@ def _finished(turn_id: int) -> Turn | None:
         turn = Turn.objects.select_related("assistant_message").get(pk=turn_id)
         return turn if turn.is_finished else None
     finally:
-        connection.close()
+        _close_connection()

@@ -44,8 +44,13 @@ def test_bench_router_prints_its_figures_per_policy():
 @pytest.mark.django_db(transaction=True)
 def test_load_test_streams_sessions_through_the_web_and_two_nodes_and_audits_them():
     out = io.StringIO()
-    call_command("load_test", "--sessions", "4", "--duration", "8", "--max-tokens", "8", "--json", stdout=out)
+    call_command(
+        "load_test", "--sessions", "4", "--duration", "8", "--max-tokens", "8", "--open-streams", "40", "--json",
+        stdout=out,
+    )  # fmt: skip
     figures = json.loads(out.getvalue())
+    assert figures["streams_complete"] == 40 and figures["open_streams_peak"] > 0  # each read to its end
+    assert figures["postgres_connections_peak"] < figures["postgres_max_connections"]
     assert figures["requests_accepted"] > 0 and figures["errors"] == 0
     assert figures["turns_stored"] == figures["turns_done"] == figures["requests_accepted"]
     assert figures["replies_differing_from_stream"] == 0 and figures["unfinished"] == 0

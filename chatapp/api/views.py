@@ -22,7 +22,7 @@ from chatapp.api.keys import api_key_user
 from chatapp.api.parsing import ChatRequest, parse_chat_request
 from chatapp.api.sessions import api_turn_start
 from chatapp.models import Turn
-from chatapp.turn_events import follow_turn
+from chatapp.turn_events import follow_turn, release_database
 from chatapp.turns.lifecycle import turn_cancel
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "stop"}
@@ -74,6 +74,7 @@ async def chat_completions(request: HttpRequest) -> HttpResponse | StreamingHttp
             session_id=request.headers.get("X-Session-ID"),
             strategy=request.headers.get("X-Memory-Strategy"),
         )
+        await release_database()
         if parsed.stream:
             response = StreamingHttpResponse(_chunks(turn, parsed), content_type="text/event-stream")
             response["Cache-Control"] = "no-cache"

@@ -16,9 +16,10 @@ from django.contrib.auth.models import User
 from django.core.management.base import BaseCommand, CommandError
 from django.db import connection
 
-from chatapp import loadtest, quotas
+from chatapp import loadtest, loadtest_streams, quotas, services
 from chatapp.api.keys import api_key_create
 from chatapp.datasets import chitchat_conversations
+from chatapp.turns import admission
 from inference.benchmark import run_parallel
 from router.models import Node
 
@@ -41,6 +42,12 @@ class Command(BaseCommand):
         )
         parser.add_argument("--threads-per-node", type=int, default=1, help="llama.cpp threads (N_THREADS).")
         parser.add_argument("--spill-mb", type=int, default=256, help="Host RAM per node for spilled KV state.")
+        parser.add_argument(
+            "--open-streams",
+            type=int,
+            default=500,
+            help="Browser event streams held open at once on a few long replies, before the load (0: skip).",
+        )
         parser.add_argument("--json", action="store_true")
 
     def handle(self, *args, **o):
@@ -63,7 +70,8 @@ class Command(BaseCommand):
             processes["web"] = _spawn_web(port, web_env)
             _wait_for_nodes(prefix, o["nodes"], processes)
             self._progress(o, f"web on port {port}, {o['nodes']} nodes; {o['sessions']} sessions, {o['duration']:.0f}s")
-            result = self._load(run, prefix, port, processes, o)
+            held = self._hold_streams(run, port, o) if o["open_streams"] else {}
+            result = held | self._load(run, prefix, port, processes, o)
         finally:
             for process in processes.values():
                 process.terminate()
@@ -75,6 +83,7 @@ class Command(BaseCommand):
             for key, value in result.items():
                 self.stdout.write(f"{key:40} {value}")
         lost = result["turns_stored"] - result["turns_done"] - result["turns_failed"]
+        lost += result.get("streams_refused_or_cut", 0)
         if lost or result["replies_without_turn"] or result["conversations_with_unmatched_messages"]:
             raise CommandError("Messages were lost or doubled: see the figures above.")
 
@@ -108,6 +117,20 @@ class Command(BaseCommand):
         self._progress(o, "load done; waiting for unfinished turns, then auditing Postgres")
         unfinished = loadtest.wait_drained(prefix)
         return loadtest.summary(clients, seconds, memory, loadtest.audit(prefix, clients)) | {"unfinished": unfinished}
+
+    def _hold_streams(self, run: str, port: int, o) -> dict:
+        user, _ = User.objects.get_or_create(username="loadtest")
+        quotas.grant_unlimited_use(user)
+        turns = [
+            admission.turn_start(
+                conversation=services.conversation_create(owner=user, title=f"load test {run}: streams {k}"),
+                text="Tell me a long story about a lighthouse keeper and a storm.",
+                sampling={"max_tokens": 256, "temperature": 0},
+            )
+            for k in range(4 * o["nodes"])
+        ]
+        self._progress(o, f"holding {o['open_streams']} event streams open on {len(turns)} replies")
+        return loadtest_streams.hold_streams(port=port, user=user, turns=turns, readers=o["open_streams"])
 
     def _progress(self, o, message: str) -> None:
         if not o["json"]:
