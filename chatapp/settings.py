@@ -68,17 +68,11 @@ ASGI_APPLICATION = "chatapp.asgi.application"
 WSGI_APPLICATION = "chatapp.wsgi.application"
 
 DATABASES = {"default": env.db("DATABASE_URL", default="postgres://postgres@127.0.0.1:5432/chatapp")}
-# Each process shares a pool of at most DB_POOL_MAX_SIZE connections (psycopg's pool; 0: none, one per
-# thread). A thread returns its connection when its request ends, or sooner: an event stream returns it
-# before waiting on Redis. So hundreds of open streams need no more than the pool: beyond it, a request
-# waits its turn for a connection (up to DB_POOL_TIMEOUT_SECONDS) instead of failing.
-DB_POOL_MAX_SIZE = env.int("DB_POOL_MAX_SIZE", default=20)
-if DB_POOL_MAX_SIZE:
-    DATABASES["default"]["OPTIONS"] = {
-        "pool": {"min_size": 1, "max_size": DB_POOL_MAX_SIZE, "timeout": env.float("DB_POOL_TIMEOUT_SECONDS", 30.0)}
-    }
-else:
-    DATABASES["default"]["CONN_MAX_AGE"] = env.int("CONN_MAX_AGE", default=0)
+DATABASES["default"]["CONN_MAX_AGE"] = env.int("CONN_MAX_AGE", default=0)
+# Database work of the web's streaming views (event streams, API requests) at once, per web process: each
+# holds a connection only for that work, then waits on Redis holding none. Hundreds of streams opening at
+# once take turns for these, instead of taking all of Postgres's connections (100 by default).
+CHAT_STREAM_DB_SLOTS = env.int("CHAT_STREAM_DB_SLOTS", default=16)
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 AUTH_PASSWORD_VALIDATORS = [

@@ -10,19 +10,20 @@ from django.http import Http404, HttpRequest, HttpResponse, StreamingHttpRespons
 
 from chatapp import selectors, streams
 from chatapp.models import Turn
-from chatapp.turn_events import follow_turn, release_database
+from chatapp.turn_events import database_slot, follow_turn
 
 KEEPALIVE = ": keep-alive\n\n"
 
 
 async def turn_events(request: HttpRequest, conversation_id: int, turn_id: int) -> HttpResponse | StreamingHttpResponse:
     """The turn's events as SSE. A reconnect (Last-Event-ID) or `?after=` resumes after that entry."""
-    user = await request.auser()
-    if not user.is_authenticated:
-        raise Http404
-    turn: Turn = await sync_to_async(selectors.turn_get_for_user)(
-        user=user, conversation_id=conversation_id, turn_id=turn_id
-    )
+    async with database_slot():
+        user = await request.auser()
+        if not user.is_authenticated:
+            raise Http404
+        turn: Turn = await sync_to_async(selectors.turn_get_for_user)(
+            user=user, conversation_id=conversation_id, turn_id=turn_id
+        )
     after = request.headers.get("Last-Event-ID") or request.GET.get("after") or "0-0"
     if not streams.valid_entry_id(after):
         return HttpResponse("after must be a stream entry id", status=400)
@@ -33,7 +34,6 @@ async def turn_events(request: HttpRequest, conversation_id: int, turn_id: int) 
         return HttpResponse("Live updates are unavailable for a moment.", status=503, headers={"Retry-After": "2"})
     if turn.is_finished and streams.entry_order(last) <= streams.entry_order(after):
         return HttpResponse(status=204)  # nothing more will come: tells EventSource to stop reconnecting
-    await release_database()
     response = StreamingHttpResponse(_events(turn, after), content_type="text/event-stream")
     response["Cache-Control"] = "no-cache"
     response["X-Accel-Buffering"] = "no"

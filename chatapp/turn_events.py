@@ -4,11 +4,14 @@ is gone sent on or failed (`turns_reap`), so no reader waits on a node that will
 
 import asyncio
 import logging
+import weakref
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import redis
 from asgiref.sync import sync_to_async
+from django.conf import settings
 from django.db import connection
 
 from chatapp import stream_hub, streams
@@ -33,7 +36,7 @@ async def follow_turn(
             key = streams.stream_key(turn.stream_name)
             async for entry_id, event in stream_hub.hub().follow(key, after=after, block_ms=block_ms):
                 after = entry_id
-                if event is None and (finished := await sync_to_async(_finished)(turn.pk)):
+                if event is None and (finished := await _finished(turn.pk)):
                     yield entry_id, end_event(finished)
                     return
                 yield entry_id, event
@@ -41,17 +44,29 @@ async def follow_turn(
                     return
         except redis.RedisError as exc:
             logger.warning("turn %s: reading its stream failed (%s); looking in Postgres", turn.pk, exc)
-            if finished := await sync_to_async(_finished)(turn.pk):
+            if finished := await _finished(turn.pk):
                 yield after, end_event(finished)
                 return
             yield after, None
             await asyncio.sleep(RECONNECT_S)
 
 
-async def release_database() -> None:
-    """Close this request's database connection before it waits on Redis. A waiting stream then holds none
-    of Postgres's connections (100 by default): open streams are bounded by memory, not by Postgres."""
-    await sync_to_async(_close_connection)()
+_slots: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore]" = weakref.WeakKeyDictionary()
+
+
+@asynccontextmanager
+async def database_slot() -> AsyncIterator[None]:
+    """A turn at the database for a streaming view (one of CHAT_STREAM_DB_SLOTS per web process); the
+    connection is closed when the slot is given back. A stream waiting on Redis then holds no connection,
+    and hundreds opening at once take turns instead of taking all of Postgres's connections."""
+    loop = asyncio.get_running_loop()
+    if loop not in _slots:
+        _slots[loop] = asyncio.Semaphore(settings.CHAT_STREAM_DB_SLOTS)
+    async with _slots[loop]:
+        try:
+            yield
+        finally:
+            await sync_to_async(_close_connection)()
 
 
 def _close_connection() -> None:
@@ -61,12 +76,13 @@ def _close_connection() -> None:
         connection.close()
 
 
-def _finished(turn_id: int) -> Turn | None:
-    """The turn if it has finished, after sending it on or failing it if its node is gone. The database
-    connection is closed again: a reader waits on Redis, not holding one of Postgres's connections."""
-    try:
-        turns_reap(turn_id=turn_id)
-        turn = Turn.objects.select_related("assistant_message").get(pk=turn_id)
-        return turn if turn.is_finished else None
-    finally:
-        _close_connection()
+async def _finished(turn_id: int) -> Turn | None:
+    async with database_slot():
+        return await sync_to_async(_finished_now)(turn_id)
+
+
+def _finished_now(turn_id: int) -> Turn | None:
+    """The turn if it has finished, after sending it on or failing it if its node is gone."""
+    turns_reap(turn_id=turn_id)
+    turn = Turn.objects.select_related("assistant_message").get(pk=turn_id)
+    return turn if turn.is_finished else None

@@ -22,7 +22,7 @@ from chatapp.api.keys import api_key_user
 from chatapp.api.parsing import ChatRequest, parse_chat_request
 from chatapp.api.sessions import api_turn_start
 from chatapp.models import Turn
-from chatapp.turn_events import follow_turn, release_database
+from chatapp.turn_events import database_slot, follow_turn
 from chatapp.turns.lifecycle import turn_cancel
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "stop"}
@@ -66,15 +66,15 @@ async def chat_completions(request: HttpRequest) -> HttpResponse | StreamingHttp
     try:
         if request.method != "POST":
             raise ApiError("Use POST.", status=405)
-        owner = await sync_to_async(_authenticate)(request)
         parsed = parse_chat_request(_body(request))
-        turn = await sync_to_async(api_turn_start)(
-            owner=owner,
-            request=parsed,
-            session_id=request.headers.get("X-Session-ID"),
-            strategy=request.headers.get("X-Memory-Strategy"),
-        )
-        await release_database()
+        async with database_slot():
+            owner = await sync_to_async(_authenticate)(request)
+            turn = await sync_to_async(api_turn_start)(
+                owner=owner,
+                request=parsed,
+                session_id=request.headers.get("X-Session-ID"),
+                strategy=request.headers.get("X-Memory-Strategy"),
+            )
         if parsed.stream:
             response = StreamingHttpResponse(_chunks(turn, parsed), content_type="text/event-stream")
             response["Cache-Control"] = "no-cache"
@@ -126,7 +126,8 @@ async def _events(turn: Turn) -> AsyncIterator[dict]:
                 if event is not None:
                     yield event
     except TimeoutError:
-        await sync_to_async(turn_cancel)(turn=turn)
+        async with database_slot():
+            await sync_to_async(turn_cancel)(turn=turn)
         raise ApiError(
             f"The reply took longer than {limit} s and was cancelled.", status=504, type="server_error", code="timeout"
         ) from None
@@ -196,5 +197,6 @@ async def _chunks(turn: Turn, parsed: ChatRequest) -> AsyncIterator[str]:
         yield f"data: {json.dumps({'error': exc.response_body()})}\n\n"
     finally:
         if not finished:  # the client went away, or the reply restarted: stop generating
-            await sync_to_async(turn_cancel)(turn=turn)
+            async with database_slot():
+                await sync_to_async(turn_cancel)(turn=turn)
     yield "data: [DONE]\n\n"
