@@ -107,6 +107,8 @@ class Turn(models.Model):
     )
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.QUEUED, db_index=True)
     node = models.CharField(max_length=100, blank=True, db_index=True)
+    # The API key the turn was asked with (none: the browser); its own limits apply (chatapp.quotas).
+    api_key = models.ForeignKey("ApiKey", on_delete=models.SET_NULL, null=True, blank=True, related_name="turns")
     # The node process that claimed the current attempt: a node restarted under the same name is another
     # incarnation, and takes back what its predecessor left running.
     node_incarnation = models.CharField(max_length=32, blank=True)

@@ -1,9 +1,10 @@
-"""Fair use, per user (all of a user's API keys and browser tabs together), the same for every web process.
+"""Fair use, the same for every web process: per user (all of a user's API keys and browser tabs
+together), and per API key (so one leaking script cannot use up its owner's share).
 
 - Unfinished turns at once: counted in Postgres under a per-user transaction lock, so parallel requests
   through any web process agree, and nothing is left counted when a process dies mid-turn.
-- Tokens per minute (prompt + reply, as OpenAI counts them): a Redis counter per user and minute, which
-  the node adds to when a turn finishes; a new turn is refused while the minute's count is over.
+- Tokens per minute (prompt + reply, as OpenAI counts them): a Redis counter per user (and per key) and
+  minute, which the node adds to when a turn finishes; a new turn is refused while the count is over.
 - Stored facts and pinned messages have caps, so no one can grow what every prompt carries without end.
 """
 
@@ -32,54 +33,61 @@ def grant_unlimited_use(user: User) -> None:
     user.user_permissions.add(Permission.objects.get(codename="unlimited_use", content_type__app_label="chatapp"))
 
 
-def check_new_turn(*, user_id: int) -> None:
-    """Refuse a new turn over the user's limits (QuotaExceeded says which, and when to try again). Call
-    inside the transaction that stores the turn: it holds the user's lock until that commits."""
+def check_new_turn(*, user_id: int, api_key_id: int | None = None) -> None:
+    """Refuse a new turn over its user's or its API key's limits (QuotaExceeded says which, and when to try
+    again). Call inside the transaction that stores the turn: it holds the user's lock until that commits."""
     user = User.objects.get(pk=user_id)
     if user.has_perm(UNLIMITED):
         return
-    _check_running_turns(user_id=user_id)
-    _check_tokens(user_id=user_id)
-
-
-def _check_running_turns(*, user_id: int) -> None:
     with connection.cursor() as cursor:
         cursor.execute("SELECT pg_advisory_xact_lock(%s, %s)", [_LOCK_SPACE, user_id])
-    limit = settings.CHAT_USER_MAX_RUNNING_TURNS
-    running = Turn.objects.filter(conversation__owner_id=user_id).exclude(status__in=Turn.FINISHED).count()
+    unfinished = Turn.objects.exclude(status__in=Turn.FINISHED)
+    _check_running(
+        unfinished.filter(conversation__owner_id=user_id).count(), settings.CHAT_USER_MAX_RUNNING_TURNS, "You have"
+    )
+    _check_tokens(f"user:{user_id}", settings.CHAT_USER_TOKENS_PER_MINUTE, "You have")
+    if api_key_id is not None:
+        _check_running(
+            unfinished.filter(api_key_id=api_key_id).count(), settings.CHAT_KEY_MAX_RUNNING_TURNS, "This key has"
+        )
+        _check_tokens(f"key:{api_key_id}", settings.CHAT_KEY_TOKENS_PER_MINUTE, "This key has")
+
+
+def _check_running(running: int, limit: int, who: str) -> None:
     if running >= limit:
         raise QuotaExceeded(
-            f"You have {running} replies being written; the limit is {limit} at once. Wait for one to finish.",
+            f"{who} {running} replies being written; the limit is {limit} at once. Wait for one to finish.",
             retry_after=2,
         )
 
 
-def _window(user_id: int, now: float) -> str:
-    return f"quota:tokens:{user_id}:{int(now // WINDOW_S)}"
+def _window(scope: str, now: float) -> str:
+    return f"quota:tokens:{scope}:{int(now // WINDOW_S)}"
 
 
-def _check_tokens(*, user_id: int) -> None:
+def _check_tokens(scope: str, limit: int, who: str) -> None:
     now = time.time()
     try:
-        used = int(client().get(_window(user_id, now)) or 0)
+        used = int(client().get(_window(scope, now)) or 0)
     except redis.RedisError as exc:  # the limit waits for Redis; the turn does not
         logger.warning("token quota not checked (%s)", exc)
         return
-    limit = settings.CHAT_USER_TOKENS_PER_MINUTE
     if used >= limit:
         raise QuotaExceeded(
-            f"You have used {used:,} tokens this minute; the limit is {limit:,} a minute.",
+            f"{who} used {used:,} tokens this minute; the limit is {limit:,} a minute.",
             retry_after=int(WINDOW_S - now % WINDOW_S) + 1,
         )
 
 
-def charge_tokens(*, user_id: int, tokens: int) -> None:
-    """Count a finished turn's tokens against its user's current minute."""
-    key = _window(user_id, time.time())
+def charge_tokens(*, user_id: int, api_key_id: int | None = None, tokens: int) -> None:
+    """Count a finished turn's tokens against its user's (and its key's) current minute."""
+    now = time.time()
+    scopes = [f"user:{user_id}"] + ([f"key:{api_key_id}"] if api_key_id is not None else [])
     try:
         pipe = client().pipeline()
-        pipe.incrby(key, tokens)
-        pipe.expire(key, 2 * WINDOW_S)
+        for scope in scopes:
+            pipe.incrby(_window(scope, now), tokens)
+            pipe.expire(_window(scope, now), 2 * WINDOW_S)
         pipe.execute()
     except redis.RedisError as exc:
         logger.warning("%d tokens not counted against user %s (%s)", tokens, user_id, exc)

@@ -203,6 +203,9 @@ CHAT_ORPHAN_SECONDS = env.float("CHAT_ORPHAN_SECONDS", default=60.0)
 # Fair use, per user (all of a user's API keys and browser tabs together), shared by every web process.
 CHAT_USER_MAX_RUNNING_TURNS = env.int("CHAT_USER_MAX_RUNNING_TURNS", default=4)  # unfinished turns at once
 CHAT_USER_TOKENS_PER_MINUTE = env.int("CHAT_USER_TOKENS_PER_MINUTE", default=200_000)  # prompt + reply tokens
+# The same per API key: a user may give a script's key less than the whole account.
+CHAT_KEY_MAX_RUNNING_TURNS = env.int("CHAT_KEY_MAX_RUNNING_TURNS", default=4)
+CHAT_KEY_TOKENS_PER_MINUTE = env.int("CHAT_KEY_TOKENS_PER_MINUTE", default=200_000)
 CHAT_USER_MAX_CONVERSATIONS = env.int("CHAT_USER_MAX_CONVERSATIONS", default=10_000)
 CHAT_USER_MAX_FACTS = env.int("CHAT_USER_MAX_FACTS", default=200)
 CHAT_MAX_PINS_PER_CONVERSATION = env.int("CHAT_MAX_PINS_PER_CONVERSATION", default=20)

@@ -35,8 +35,8 @@ def api_key_revoke(*, key: ApiKey) -> None:
         key.save(update_fields=["revoked_at"])
 
 
-def api_key_user(key: str) -> User | None:
-    """The user a live key belongs to, or None for a missing, wrong or revoked key."""
+def api_key_find(key: str) -> ApiKey | None:
+    """The live key (with its owner), or None for a missing, wrong or revoked key."""
     if not key.startswith(KEY_PREFIX) or len(key) > 200:
         return None
     row = ApiKey.objects.select_related("owner").filter(prefix=key[:PREFIX_LENGTH], revoked_at__isnull=True).first()
@@ -45,4 +45,4 @@ def api_key_user(key: str) -> User | None:
     if row is None or not matches or not row.owner.is_active:
         return None
     ApiKey.objects.filter(pk=row.pk).update(last_used_at=timezone.now())
-    return row.owner
+    return row

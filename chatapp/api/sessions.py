@@ -15,7 +15,7 @@ from django.db import transaction
 from chatapp import quotas, services
 from chatapp.api.errors import ApiError
 from chatapp.api.parsing import ChatRequest
-from chatapp.models import Conversation, Message, Turn
+from chatapp.models import ApiKey, Conversation, Message, Turn
 from chatapp.turns import admission
 from chatapp.validation import (
     ContextTooSmall,
@@ -53,22 +53,25 @@ def _normalised(role: str, text: str) -> tuple[str, str]:
     return role, text
 
 
-def api_turn_start(*, owner: User, request: ChatRequest, session_id: str | None, strategy: str | None) -> Turn:
+def api_turn_start(*, key: ApiKey, request: ChatRequest, session_id: str | None, strategy: str | None) -> Turn:
     """Find or branch the conversation, store what it lacks of the history, and start the turn, in one
     transaction: a request that is refused (busy, no node, over a quota, a reply in progress) stores nothing."""
-    key = api_session_key(request, session_id)
+    owner = key.owner
+    session = api_session_key(request, session_id)
     *earlier, (_, new_text) = request.history
     wanted = [_normalised(role, text) for role, text in earlier]
-    admission.reap_unfinished(Turn.objects.filter(conversation__owner=owner, conversation__api_session=key))
+    admission.reap_unfinished(Turn.objects.filter(conversation__owner=owner, conversation__api_session=session))
     try:
         with transaction.atomic():
-            conversation = _conversation(owner, key, request.system, wanted)
+            conversation = _conversation(owner, session, request.system, wanted)
             if strategy:
                 try:
                     services.conversation_set_strategy(conversation=conversation, strategy=strategy)
                 except ValueError as exc:
                     raise ApiError(str(exc), param="X-Memory-Strategy", code="unknown_strategy") from exc
-            return admission.turn_start(conversation=conversation, text=new_text, sampling=request.sampling)
+            return admission.turn_start(
+                conversation=conversation, text=new_text, sampling=request.sampling, api_key=key
+            )
     except TurnRejected as exc:
         raise api_error(exc) from exc
 

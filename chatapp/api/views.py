@@ -12,16 +12,15 @@ from collections.abc import AsyncIterator
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.contrib.auth.models import User
 from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
 from chatapp.api.errors import ApiError
-from chatapp.api.keys import api_key_user
+from chatapp.api.keys import api_key_find
 from chatapp.api.parsing import ChatRequest, parse_chat_request
 from chatapp.api.sessions import api_turn_start
-from chatapp.models import Turn
+from chatapp.models import ApiKey, Turn
 from chatapp.turn_events import database_slot, follow_turn
 from chatapp.turns.lifecycle import turn_cancel
 
@@ -35,18 +34,18 @@ RESTARTED = ApiError(
 )
 
 
-def _authenticate(request: HttpRequest) -> User:
+def _authenticate(request: HttpRequest) -> ApiKey:
     header = request.headers.get("Authorization", "")
     scheme, _, key = header.partition(" ")
-    user = api_key_user(key.strip()) if scheme.lower() == "bearer" else None
-    if user is None:
+    row = api_key_find(key.strip()) if scheme.lower() == "bearer" else None
+    if row is None:
         raise ApiError(
             "Incorrect or missing API key. Send 'Authorization: Bearer <key>'; keys are made at /keys/.",
             status=401,
             type="authentication_error",
             code="invalid_api_key",
         )
-    return user
+    return row
 
 
 @csrf_exempt
@@ -68,9 +67,9 @@ async def chat_completions(request: HttpRequest) -> HttpResponse | StreamingHttp
             raise ApiError("Use POST.", status=405)
         parsed = parse_chat_request(_body(request))
         async with database_slot():
-            owner = await sync_to_async(_authenticate)(request)
+            key = await sync_to_async(_authenticate)(request)
             turn = await sync_to_async(api_turn_start)(
-                owner=owner,
+                key=key,
                 request=parsed,
                 session_id=request.headers.get("X-Session-ID"),
                 strategy=request.headers.get("X-Memory-Strategy"),

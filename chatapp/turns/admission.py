@@ -8,7 +8,7 @@ from django.db import transaction
 from django.db.models import QuerySet
 
 from chatapp import quotas
-from chatapp.models import Conversation, Message, Turn
+from chatapp.models import ApiKey, Conversation, Message, Turn
 from chatapp.services import fact_save
 from chatapp.turns.lifecycle import turn_create
 from chatapp.turns.recovery import turns_reap
@@ -42,14 +42,20 @@ def reap_unfinished(turns: QuerySet[Turn]) -> None:
 
 
 def turn_start(
-    *, conversation: Conversation, text: str, sampling: dict | None = None, policy: str | None = None
+    *,
+    conversation: Conversation,
+    text: str,
+    sampling: dict | None = None,
+    policy: str | None = None,
+    api_key: ApiKey | None = None,
 ) -> Turn:
     """Store the user's message and its queued turn; its task is queued once both are durable.
 
     Every check runs before anything is written: the text, its size, one reply at a time, the user's
     quotas, a node to run it and room in that node's queue. Called inside a caller's transaction (an API
     request that stores resent history first), a refusal rolls that back too. `sampling` overrides the
-    node's defaults (fields of inference.engine.Sampling); `policy` is a routing policy alias.
+    node's defaults (fields of inference.engine.Sampling); `policy` is a routing policy alias; `api_key` is
+    the key an API request came with (its own limits apply as well as its owner's).
     """
     text = check_message_text(text)
     check_message_fits(text)
@@ -58,7 +64,7 @@ def turn_start(
         conversation = Conversation.objects.select_for_update().get(pk=conversation.pk)
         if conversation.turns.exclude(status__in=Turn.FINISHED).exists():
             raise ReplyInProgress("A reply is still being written; wait for it or stop it first.")
-        quotas.check_new_turn(user_id=conversation.owner_id)
+        quotas.check_new_turn(user_id=conversation.owner_id, api_key_id=api_key.pk if api_key else None)
         try:
             node = session_node(session_key=conversation.session_key, policy=policy)
         except NoHealthyNode as exc:
@@ -68,7 +74,11 @@ def turn_start(
             raise NodeBusy(f"The model is busy ({unfinished} replies queued); try again in a few seconds.")
         user_message = Message.objects.create(conversation=conversation, role=Message.Role.USER, content=text)
         turn = turn_create(
-            conversation=conversation, user_message=user_message, node=node.name, sampling=sampling or {}
+            conversation=conversation,
+            user_message=user_message,
+            node=node.name,
+            sampling=sampling or {},
+            api_key=api_key,
         )
         if remembered := _REMEMBER.match(text):  # "remember that ..." also saves a fact
             fact_save(owner=conversation.owner, text=remembered["fact"])

@@ -24,7 +24,7 @@ from kombu.exceptions import KombuError
 from redis.exceptions import RedisError
 
 from chatapp import quotas, streams
-from chatapp.models import Conversation, Message, Turn
+from chatapp.models import ApiKey, Conversation, Message, Turn
 from chatapp.turns.events import end_event
 from chatapp.validation import NoNodeUp, ReplyInProgress, TurnRejected
 from router.services import NoHealthyNode, queue_for_node, session_node
@@ -111,7 +111,9 @@ def _queue(turn: Turn, *, node: str) -> None:
 # The web: a new turn, retry, cancel -------------------------------------------------
 
 
-def turn_create(*, conversation: Conversation, user_message: Message, node: str, sampling: dict) -> Turn:
+def turn_create(
+    *, conversation: Conversation, user_message: Message, node: str, sampling: dict, api_key: ApiKey | None
+) -> Turn:
     """A queued turn answering `user_message` on `node`; its task is queued once it is committed.
     Call inside the transaction that stored the message (`admission.turn_start` does)."""
     turn = Turn.objects.create(
@@ -121,6 +123,7 @@ def turn_create(*, conversation: Conversation, user_message: Message, node: str,
         strategy=conversation.strategy,
         strategy_options=conversation.strategy_options,
         sampling=sampling,
+        api_key=api_key,
     )
     transaction.on_commit(lambda: _dispatch(turn))
     return turn
@@ -268,8 +271,8 @@ def turn_finish(*, turn: Turn, generation: "Generation") -> Turn | None:
             locked.save(update_fields=_FINISH_FIELDS)
             _announce(locked, end_event(locked))
             used = generation.prompt_tokens + len(generation.token_ids)
-            owner = locked.conversation.owner_id
-            transaction.on_commit(lambda: quotas.charge_tokens(user_id=owner, tokens=used))
+            owner, key = locked.conversation.owner_id, locked.api_key_id
+            transaction.on_commit(lambda: quotas.charge_tokens(user_id=owner, api_key_id=key, tokens=used))
         return locked
 
     return _reconnecting(finish)

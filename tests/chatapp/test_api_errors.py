@@ -6,7 +6,7 @@ import pytest
 from django.utils import timezone
 
 from chatapp.api.keys import api_key_create
-from chatapp.models import ApiKey, Message
+from chatapp.models import ApiKey, Message, Turn
 
 URL = "/v1/chat/completions"
 
@@ -180,3 +180,16 @@ def test_max_tokens_over_the_servers_cap_is_a_clear_400(client, auth, idle_node)
     assert response.status_code == 400
     assert error(response)["code"] == "max_tokens_too_large" and "at most 256" in error(response)["message"]
     assert stored() == []
+
+
+def test_each_api_key_has_limits_of_its_own_within_its_owners(client, user, idle_node, settings):
+    settings.CHAT_KEY_MAX_RUNNING_TURNS, settings.CHAT_USER_MAX_RUNNING_TURNS = 1, 2
+    script, laptop = (f"Bearer {api_key_create(owner=user, name=name)[1]}" for name in ("script", "laptop"))
+    body = {"model": "gemma-3-270m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    assert post(client, body, HTTP_AUTHORIZATION=script, HTTP_X_SESSION_ID="a").status_code == 200
+    refused = post(client, body, HTTP_AUTHORIZATION=script, HTTP_X_SESSION_ID="b")
+    assert refused.status_code == 429 and "This key has 1 replies" in error(refused)["message"]
+    assert post(client, body, HTTP_AUTHORIZATION=laptop, HTTP_X_SESSION_ID="c").status_code == 200  # another key
+    refused = post(client, body, HTTP_AUTHORIZATION=laptop, HTTP_X_SESSION_ID="d")
+    assert refused.status_code == 429 and "You have 2 replies" in error(refused)["message"]  # the account's limit
+    assert Turn.objects.filter(api_key__name="script").count() == 1
