@@ -56,6 +56,8 @@ class MessageAdmin(admin.ModelAdmin):
 
 @admin.register(Turn)
 class TurnAdmin(admin.ModelAdmin):
+    """Read-only: a turn is written only through its transitions (chatapp.turns.lifecycle)."""
+
     list_display = ("id", "conversation", "status", "node", "strategy", *TURN_MEASUREMENTS, "created_at")
     list_filter = ("status", "node", "strategy", "created_at")
     search_fields = ("user_message__content", "assistant_message__content", "error")
@@ -69,10 +71,19 @@ class TurnAdmin(admin.ModelAdmin):
         "prompt_text",
         "prompt_token_ids",
         "attempt",
+        "node_incarnation",
+        "api_key",
+        "error_code",
         "created_at",
         "started_at",
         "finished_at",
     )
+
+    def has_add_permission(self, request) -> bool:
+        return False
+
+    def has_change_permission(self, request, obj=None) -> bool:
+        return False
 
 
 @admin.register(UserFact)

@@ -205,3 +205,15 @@ def test_pages_carry_a_content_security_policy(client, user):
     client.force_login(user)
     policy = client.get(reverse("chat:conversation_list"))["Content-Security-Policy"]
     assert "script-src 'self'" in policy and "frame-ancestors 'none'" in policy and "unsafe-inline" not in policy
+
+
+def test_turns_are_read_only_in_the_admin(client, db, idle_node):
+    staff = UserFactory.create(is_staff=True, is_superuser=True)
+    client.force_login(staff)
+    turn = admission.turn_start(conversation=ConversationFactory.create(), text="look, don't touch")
+    page = client.get(f"/admin/chatapp/turn/{turn.pk}/change/")
+    assert page.status_code == 200 and "look, don" in page.content.decode()
+    client.post(f"/admin/chatapp/turn/{turn.pk}/change/", {"status": "done", "node": "elsewhere"})
+    turn.refresh_from_db()
+    assert (turn.status, turn.node) == (Turn.Status.QUEUED, idle_node.name)
+    assert client.get("/admin/chatapp/turn/add/").status_code == 403
