@@ -120,6 +120,17 @@ def snapshot(turn_key: str) -> tuple[str, str]:
     return "".join(text), last
 
 
+def latest_attempt_start(turn_key: str) -> str:
+    """The entry id to follow the turn's stream after, to see its latest attempt from its start (the id
+    just before that attempt's start event; "0-0" when there is none yet)."""
+    before, previous = "0-0", "0-0"
+    for entry_id, event in _entries(turn_key):
+        if event["type"] == "start":
+            before = previous
+        previous = entry_id
+    return before
+
+
 def text_so_far(turn_key: str) -> str:
     return snapshot(turn_key)[0]
 

@@ -6,7 +6,10 @@ system prompt and first user message). If the stored messages equal the
 resent ones, only the new user message is added; if the resent history extends
 the stored one, the missing messages are added; if it diverges (an edited or
 different history), a new conversation starts from it (a branch) and the
-session id points to that one from then on.
+session id points to that one from then on. A request sent again (after an
+error, or a reply that restarted on another node) is answered by the turn it
+started, not stored twice: the stored history is then the resent one plus
+this user message and its reply.
 """
 
 from django.contrib.auth.models import User
@@ -16,7 +19,7 @@ from chatapp import quotas, services
 from chatapp.api.errors import ApiError
 from chatapp.api.parsing import ChatRequest
 from chatapp.models import ApiKey, Conversation, Message, Turn
-from chatapp.turns import admission
+from chatapp.turns import admission, lifecycle
 from chatapp.validation import (
     ContextTooSmall,
     NodeBusy,
@@ -58,17 +61,22 @@ def api_turn_start(*, key: ApiKey, request: ChatRequest, session_id: str | None,
     transaction: a request that is refused (busy, no node, over a quota, a reply in progress) stores nothing."""
     owner = key.owner
     session = api_session_key(request, session_id)
+    if strategy:
+        try:
+            services.check_strategy(strategy)
+        except ValueError as exc:
+            raise ApiError(str(exc), param="X-Memory-Strategy", code="unknown_strategy") from exc
     *earlier, (_, new_text) = request.history
     wanted = [_normalised(role, text) for role, text in earlier]
     admission.reap_unfinished(Turn.objects.filter(conversation__owner=owner, conversation__api_session=session))
     try:
         with transaction.atomic():
-            conversation = _conversation(owner, session, request.system, wanted)
+            latest = _latest_conversation(owner, session)
+            if latest is not None and (again := _sent_again(latest, request.system, wanted, new_text)):
+                return again
+            conversation = _conversation(owner, session, request.system, wanted, latest)
             if strategy:
-                try:
-                    services.conversation_set_strategy(conversation=conversation, strategy=strategy)
-                except ValueError as exc:
-                    raise ApiError(str(exc), param="X-Memory-Strategy", code="unknown_strategy") from exc
+                services.conversation_set_strategy(conversation=conversation, strategy=strategy)
             return admission.turn_start(
                 conversation=conversation, text=new_text, sampling=request.sampling, api_key=key
             )
@@ -89,19 +97,41 @@ def api_error(exc: TurnRejected) -> ApiError:
     return ApiError(str(exc), status=exc.status, param="messages", code=code)
 
 
-def _conversation(owner: User, key: str, system: str, wanted: list[tuple[str, str]]) -> Conversation:
-    conversation = (
+def _latest_conversation(owner: User, key: str) -> Conversation | None:
+    return (
         Conversation.objects.select_for_update()
         .filter(owner=owner, source=Conversation.Source.API, api_session=key)
         .order_by("-id")
         .first()
     )
+
+
+def _stored(conversation: Conversation, **before) -> list[tuple[str, str]]:
+    messages = conversation.messages.filter(role__in=["user", "assistant"], **before)
+    return list(messages.order_by("created_at", "id").values_list("role", "content"))
+
+
+def _sent_again(conversation: Conversation, system: str, wanted: list[tuple[str, str]], new_text: str) -> Turn | None:
+    """The turn this very request started, if the client sends it again: the conversation's latest turn
+    answers the same text after the same history. A failed one is retried; a cancelled one is not reused."""
+    turn = conversation.turns.select_related("user_message").order_by("-id").first()
+    if turn is None or conversation.system_prompt != system or turn.status == Turn.Status.CANCELLED:
+        return None
+    if _normalised("user", new_text) != ("user", turn.user_message.content):
+        return None
+    if _stored(conversation, id__lt=turn.user_message_id) != wanted:
+        return None
+    if turn.status == Turn.Status.FAILED:
+        lifecycle.turn_retry(turn=turn)
+        turn.refresh_from_db()
+    return turn
+
+
+def _conversation(
+    owner: User, key: str, system: str, wanted: list[tuple[str, str]], conversation: Conversation | None
+) -> Conversation:
     if conversation is not None and conversation.system_prompt == system:
-        stored = list(
-            conversation.messages.filter(role__in=["user", "assistant"])
-            .order_by("created_at", "id")
-            .values_list("role", "content")
-        )
+        stored = _stored(conversation)
         if wanted[: len(stored)] == stored:
             _store(conversation, wanted[len(stored) :])
             return conversation

@@ -16,6 +16,7 @@ from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
+from chatapp import streams
 from chatapp.api.errors import ApiError
 from chatapp.api.keys import api_key_find
 from chatapp.api.parsing import ChatRequest, parse_chat_request
@@ -27,7 +28,7 @@ from chatapp.turns.lifecycle import turn_cancel
 FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "stop"}
 RESTARTED = ApiError(
     "The node writing this reply stopped, and the reply was started again on another node. The text sent so far "
-    "is void; send the request again.",
+    "is void; send the same request again to receive the whole reply.",
     status=503,
     type="server_error",
     code="reply_restarted",
@@ -116,12 +117,12 @@ def _failure(event: dict) -> ApiError:
     return ApiError(f"The model failed: {event['error']}", status=500, type="server_error", code=event.get("code"))
 
 
-async def _events(turn: Turn) -> AsyncIterator[dict]:
+async def _events(turn: Turn, after: str = "0-0") -> AsyncIterator[dict]:
     """The turn's events; past CHAT_API_TIMEOUT_SECONDS the turn is cancelled and an ApiError (504) raised."""
     limit = settings.CHAT_API_TIMEOUT_SECONDS
     try:
         async with asyncio.timeout(limit):
-            async for _, event in follow_turn(turn, block_ms=settings.CHAT_SSE_BLOCK_MS):
+            async for _, event in follow_turn(turn, after=after, block_ms=settings.CHAT_SSE_BLOCK_MS):
                 if event is not None:
                     yield event
     except TimeoutError:
@@ -169,15 +170,17 @@ async def _chunks(turn: Turn, parsed: ChatRequest) -> AsyncIterator[str]:
 
     # A turn sent again (its node died) restarts its text. Until this stream has sent text, the new
     # attempt simply carries on; after, the client cannot take text back, so the stream ends with an
-    # error (code "reply_restarted") instead of repeating text, and the turn is cancelled.
+    # error (code "reply_restarted") instead of repeating text. The turn goes on: the same request sent
+    # again gets its reply whole (`api_turn_start`), from the latest attempt's start.
     finished = sent_text = False
     first_attempt: int | None = None
     try:
         yield chunk({"role": "assistant", "content": ""})
-        async for event in _events(turn):
+        async for event in _events(turn, after=streams.latest_attempt_start(turn.stream_name)):
             if event["type"] == "start":
                 first_attempt = event["attempt"] if first_attempt is None else first_attempt
                 if sent_text and event["attempt"] != first_attempt:
+                    finished = True
                     yield f"data: {json.dumps({'error': RESTARTED.response_body()})}\n\n"
                     break
             elif event["type"] == "token":
@@ -188,6 +191,8 @@ async def _chunks(turn: Turn, parsed: ChatRequest) -> AsyncIterator[str]:
                 yield f"data: {json.dumps({'error': _failure(event).response_body()})}\n\n"
             elif event["type"] == "done":
                 finished = True
+                if not sent_text and event["text"]:  # the stream lost its tokens: the stored reply, whole
+                    yield chunk({"content": event["text"]})
                 yield chunk({}, FINISH_REASONS[event["finish_reason"]])
                 if parsed.include_usage:
                     yield f"data: {json.dumps(base | {'choices': [], 'usage': _usage(event)})}\n\n"
@@ -195,7 +200,7 @@ async def _chunks(turn: Turn, parsed: ChatRequest) -> AsyncIterator[str]:
         finished = True
         yield f"data: {json.dumps({'error': exc.response_body()})}\n\n"
     finally:
-        if not finished:  # the client went away, or the reply restarted: stop generating
+        if not finished:  # the client went away: stop generating
             async with database_slot():
                 await sync_to_async(turn_cancel)(turn=turn)
     yield "data: [DONE]\n\n"

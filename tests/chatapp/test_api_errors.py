@@ -7,6 +7,7 @@ from django.utils import timezone
 
 from chatapp.api.keys import api_key_create
 from chatapp.models import ApiKey, Message, Turn
+from chatapp.turns import lifecycle
 
 URL = "/v1/chat/completions"
 
@@ -193,3 +194,14 @@ def test_each_api_key_has_limits_of_its_own_within_its_owners(client, user, idle
     refused = post(client, body, HTTP_AUTHORIZATION=laptop, HTTP_X_SESSION_ID="d")
     assert refused.status_code == 429 and "You have 2 replies" in error(refused)["message"]  # the account's limit
     assert Turn.objects.filter(api_key__name="script").count() == 1
+
+
+def test_the_same_request_sent_again_is_answered_by_its_turn_not_stored_twice(client, auth, idle_node):
+    body = {"model": "gemma-3-270m", "stream": True, "messages": [{"role": "user", "content": "Hello?"}]}
+    assert post(client, body, **auth, HTTP_X_SESSION_ID="again").status_code == 200
+    turn = Turn.objects.get()
+    assert lifecycle.turn_fail(turn_id=turn.pk, attempt=0, error="the node fell over")
+    assert post(client, body, **auth, HTTP_X_SESSION_ID="again").status_code == 200  # the client retries
+    turn.refresh_from_db()
+    assert (Turn.objects.count(), turn.status, turn.attempt) == (1, Turn.Status.QUEUED, 1)  # retried, not doubled
+    assert stored() == [("user", "Hello?")]

@@ -19,7 +19,7 @@ from django.utils import timezone
 
 from chatapp import streams
 from chatapp.api.keys import api_key_create
-from chatapp.models import Message, Turn
+from chatapp.models import Conversation, Message, Turn
 from chatapp.turns import admission
 from router.models import Node
 from router.services import assignment_move
@@ -140,19 +140,23 @@ def test_a_node_killed_and_restarted_under_its_own_name_finishes_its_turns(test_
         assert client.status == 200 and client.done
         assert [e["code"] for e in client.errors] == ["reply_restarted"]
         turn = wait_for_turn(turn, timeout=60)
-        assert (turn.node, turn.attempt) == (name, 1)  # the restarted node took it back
-        assert len(replies(turn)) <= 1
+        assert (turn.status, turn.node, turn.attempt) == (Turn.Status.DONE, name, 1)  # the restarted node took it
+
+        # The client sends the same request again, as OpenAI clients do after an error: it gets the whole
+        # reply of the turn it started, from the new attempt's start, with no second turn and no branch.
+        again = ApiStream(quick_web, key, [{"role": "user", "content": LONG_PROMPT}], session="s", **LONG_REPLY)
+        again.join()
+        assert again.errors == [] and again.done
+        assert "".join(again.text) == turn.assistant_message.content  # type: ignore[union-attr]
+        assert replies(turn) == [turn.assistant_message.content]  # type: ignore[union-attr]
 
         # The conversation is not blocked: its next message is answered, by the same node.
-        history = [
-            {"role": "user", "content": LONG_PROMPT},
-            *[{"role": "assistant", "content": r} for r in replies(turn)],
-        ]
-        status, body, _ = post(
-            quick_web, key, [*history, {"role": "user", "content": "Thanks!"}], session="s", max_tokens=8
-        )
+        history = [{"role": "user", "content": LONG_PROMPT}, {"role": "assistant", "content": replies(turn)[0]}]
+        history.append({"role": "user", "content": "Thanks!"})
+        status, body, _ = post(quick_web, key, history, session="s", max_tokens=8)
         assert status == 200, body
         assert Turn.objects.filter(conversation=turn.conversation).count() == 2
+        assert Conversation.objects.filter(owner=user).count() == 1  # no branch
     finally:
         stop_node(process)
 
