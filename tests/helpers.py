@@ -1,8 +1,20 @@
 """Helpers shared by tests that drive a real node."""
 
 import time
+from collections.abc import Callable
+from typing import Any
 
 from chatapp.models import Turn
+
+
+def wait_until(condition: Callable[[], Any], timeout: float = 60, what: str = "condition") -> Any:
+    """Poll until `condition()` is truthy, and return its value; fail saying `what` after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := condition():
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"{what} not met within {timeout}s")
 
 
 def wait_for_turn(turn: Turn, timeout: float = 120) -> Turn:

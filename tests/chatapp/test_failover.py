@@ -2,7 +2,6 @@
 
 import os
 import signal
-import time
 import uuid
 
 import pytest
@@ -14,7 +13,7 @@ from router.models import Node
 from router.services import assignment_move, healthy_nodes
 from tests.conftest import start_node, stop_node
 from tests.factories import ConversationFactory
-from tests.helpers import wait_for_turn
+from tests.helpers import wait_for_turn, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 LONG_REPLIES = {"MAX_REPLY_TOKENS": "300", "TEMPERATURE": "0.8"}
@@ -30,18 +29,10 @@ def doomed_and_spare(test_database):
             stop_node(process)
 
 
-def _wait(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
-
-
 def test_a_node_killed_mid_generation_hands_its_turn_to_another(doomed_and_spare):
     (doomed, doomed_process), (spare, _) = doomed_and_spare
     Node.objects.exclude(name__in=[doomed, spare]).update(status=Node.Status.DOWN)
-    _wait(lambda: {n.name for n in healthy_nodes()} == {doomed, spare}, 15, "both nodes to register")
+    wait_until(lambda: {n.name for n in healthy_nodes()} == {doomed, spare}, 15, "both nodes to register")
     conversation = ConversationFactory.create()
     assignment_move(session_key=conversation.session_key, node_name=doomed)
 
@@ -49,7 +40,7 @@ def test_a_node_killed_mid_generation_hands_its_turn_to_another(doomed_and_spare
         conversation=conversation, text="Tell me a very long story about a dragon and a sailor."
     )
     assert turn.node == doomed
-    _wait(lambda: len(streams.text_so_far(turn.stream_name)) > 20, 60, "the doomed node to start replying")
+    wait_until(lambda: len(streams.text_so_far(turn.stream_name)) > 20, 60, "the doomed node to start replying")
     os.kill(doomed_process.pid, signal.SIGKILL)
 
     turn = wait_for_turn(turn, timeout=120)

@@ -28,18 +28,9 @@ from router.models import Node
 from tests.conftest import free_port, start_node, start_web, stop_node
 from tests.factories import ConversationFactory, UserFactory
 from tests.faults.helpers import LONG_PROMPT, LONG_REPLY, EventStream, RedisServer, post_json
-from tests.helpers import wait_for_turn
+from tests.helpers import wait_for_turn, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-def wait_until(condition: Callable, timeout: float = 60, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := condition():
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"{what} not met within {timeout}s")
 
 
 def reply_text(turn: Turn) -> str:

@@ -26,19 +26,10 @@ from router.services import assignment_move
 from tests.conftest import start_node, start_web, stop_node
 from tests.factories import ConversationFactory, NodeFactory, UserFactory
 from tests.faults.helpers import LONG_PROMPT, LONG_REPLY
-from tests.helpers import wait_for_turn
+from tests.helpers import wait_for_turn, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 LONG_REPLIES = {"MAX_REPLY_TOKENS": "300"}
-
-
-def wait_until(condition, timeout: float = 60, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := condition():
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"{what} not met within {timeout}s")
 
 
 def only_these_nodes(*names: str) -> None:
