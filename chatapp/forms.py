@@ -2,6 +2,8 @@ from django import forms
 from django.conf import settings
 
 from chatapp.memory.registry import strategy_aliases
+from inference.model_files import PACKAGED
+from router.services import served_models
 
 
 class MessageForm(forms.Form):
@@ -14,6 +16,7 @@ class MessageForm(forms.Form):
 class ConversationForm(forms.Form):
     title = forms.CharField(max_length=200, required=False)
     strategy = forms.ChoiceField(choices=(), required=False, help_text="What of the history is resent each turn.")
+    model = forms.ChoiceField(choices=(), required=False, help_text="Which model answers.")
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -21,6 +24,16 @@ class ConversationForm(forms.Form):
         assert isinstance(strategy, forms.ChoiceField)
         strategy.choices = [(alias, alias) for alias in strategy_aliases()]
         strategy.initial = settings.CHAT_DEFAULT_STRATEGY
+        model = self.fields["model"]
+        assert isinstance(model, forms.ChoiceField)
+        model.choices = model_choices()
+        model.initial = settings.CHAT_DEFAULT_MODEL
+
+
+def model_choices() -> list[tuple[str, str]]:
+    """Every model known here, those no node serves now marked as such (their turns wait for one)."""
+    served = served_models()
+    return [(name, name if name in served else f"{name} (no node up)") for name in sorted(set(PACKAGED) | set(served))]
 
 
 class FactForm(forms.Form):

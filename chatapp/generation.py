@@ -25,6 +25,9 @@ def turn_generate(*, turn_id: int, attempt: int, engine: "Engine", node: str, in
     turn = turn_claim(turn_id=turn_id, attempt=attempt, node=node, incarnation=incarnation)
     if turn is None:
         return
+    if turn.model != engine.model:  # routed by model, so only a node replaced by another model's gets here
+        turn_fail(turn_id=turn.pk, attempt=attempt, error=f"This node serves {engine.model}, not {turn.model}.")
+        return
     sampling = turn_sampling(turn, engine.default_sampling())
     tokens = _TokenStream(turn)
     try:

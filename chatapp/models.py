@@ -12,6 +12,10 @@ def default_strategy() -> str:
     return settings.CHAT_DEFAULT_STRATEGY
 
 
+def default_model() -> str:
+    return settings.CHAT_DEFAULT_MODEL
+
+
 class Conversation(models.Model):
     class Source(models.TextChoices):
         UI = "ui"
@@ -29,6 +33,8 @@ class Conversation(models.Model):
     )
     # Options over the alias's configured OPTIONS, for this conversation only (a replay's budget sweep).
     strategy_options = models.JSONField(default=dict, blank=True)
+    # The model that answers it: its turns go to the nodes serving this model (router.Node.model).
+    model = models.CharField(max_length=100, default=default_model)
     # How recalled turns name the two sides ("Caroline: ..."); an imported conversation keeps its names.
     user_name = models.CharField(max_length=100, default="User")
     assistant_name = models.CharField(max_length=100, default="Assistant")
@@ -59,6 +65,8 @@ class Message(models.Model):
     content = models.TextField()
     # The exact ids the model generated, reused verbatim in later prompts so the node's prefix cache hits.
     token_ids = ArrayField(models.IntegerField(), null=True, blank=True)
+    # Whose vocabulary `token_ids` are in: another model's prompts re-tokenize the text instead.
+    model = models.CharField(max_length=100, blank=True)
     pinned = models.BooleanField(default=False, help_text="Rides in a fixed slot after the system prompt.")
     excluded = models.BooleanField(default=False, help_text="Never resent to the model.")
     # When it was said: now, or the original time of an imported message.
@@ -107,6 +115,8 @@ class Turn(models.Model):
     )
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.QUEUED, db_index=True)
     node = models.CharField(max_length=100, blank=True, db_index=True)
+    # The model asked for (the conversation's when the turn started); only its nodes run the turn.
+    model = models.CharField(max_length=100, blank=True)
     # The API key the turn was asked with (none: the browser); its own limits apply (chatapp.quotas).
     api_key = models.ForeignKey("ApiKey", on_delete=models.SET_NULL, null=True, blank=True, related_name="turns")
     # The node process that claimed the current attempt: a node restarted under the same name is another

@@ -14,14 +14,15 @@ from django.db import close_old_connections
 
 from chatapp.turns.recovery import turns_reap, turns_resend_lost
 from inference.engine import Engine
-from router.services import node_heartbeat
+from router.services import ServedModel, node_heartbeat
 
 logger = logging.getLogger(__name__)
 
 
 class Heartbeat:
-    def __init__(self, *, name: str, incarnation: str, capacity: int, engine: Engine) -> None:
+    def __init__(self, *, name: str, incarnation: str, capacity: int, engine: Engine, served: ServedModel) -> None:
         self.name = name
+        self.served = served
         self.incarnation = incarnation
         self.capacity = capacity
         self.engine = engine
@@ -38,7 +39,11 @@ class Heartbeat:
     def beat(self) -> None:
         stats = self.engine.stats()
         node_heartbeat(
-            name=self.name, capacity=self.capacity, stats=dataclasses.asdict(stats), incarnation=self.incarnation
+            name=self.name,
+            capacity=self.capacity,
+            stats=dataclasses.asdict(stats),
+            incarnation=self.incarnation,
+            served=self.served,
         )
         turns_reap()
         if stats.running == 0 and stats.waiting == 0:  # idle, so nothing queued for it is merely waiting

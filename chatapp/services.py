@@ -14,6 +14,8 @@ from chatapp import quotas
 from chatapp.memory.registry import strategy_aliases, strategy_get
 from chatapp.models import Conversation, Message, UserFact
 from chatapp.validation import TurnRejected, check_message_text, without_control_characters
+from inference.model_files import PACKAGED
+from router.services import known_models
 
 
 def check_strategy(alias: str, options: dict | None = None) -> str:
@@ -28,8 +30,20 @@ def check_strategy(alias: str, options: dict | None = None) -> str:
     return alias
 
 
+class UnknownModel(ValueError):
+    pass
+
+
+def check_model(model: str) -> str:
+    """The model, if it is packaged here or some node has registered it (up or not); else UnknownModel."""
+    known = set(PACKAGED) | known_models()
+    if model not in known:
+        raise UnknownModel(f"The model `{model}` does not exist; models: {', '.join(sorted(known))}.")
+    return model
+
+
 def conversation_create(
-    *, owner: User, title: str = "", strategy: str = "", strategy_options: dict | None = None
+    *, owner: User, title: str = "", strategy: str = "", strategy_options: dict | None = None, model: str = ""
 ) -> Conversation:
     quotas.check_can_add_conversation(user_id=owner.pk)
     return Conversation.objects.create(
@@ -37,7 +51,16 @@ def conversation_create(
         title=without_control_characters(title).strip()[:200],
         strategy=check_strategy(strategy or settings.CHAT_DEFAULT_STRATEGY, strategy_options),
         strategy_options=strategy_options or {},
+        model=check_model(model or settings.CHAT_DEFAULT_MODEL),
     )
+
+
+def conversation_set_model(*, conversation: Conversation, model: str) -> None:
+    """Answer future turns with another model. Its nodes re-tokenize the earlier replies (another
+    vocabulary), so the first turn after a switch computes the whole prompt."""
+    if conversation.model != check_model(model):
+        conversation.model = model
+        conversation.save(update_fields=["model", "updated_at"])
 
 
 @dataclass(frozen=True)

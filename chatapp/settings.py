@@ -5,6 +5,8 @@ from pathlib import Path
 import environ
 from django.utils.csp import CSP
 
+from inference.model_files import DEFAULT_MODEL
+
 BASE_DIR = Path(__file__).resolve().parent.parent
 
 env = environ.Env()
@@ -59,7 +61,6 @@ TEMPLATES = [
                 "django.template.context_processors.request",
                 "django.contrib.auth.context_processors.auth",
                 "django.contrib.messages.context_processors.messages",
-                "chatapp.context_processors.engine_limits",
             ],
         },
     },
@@ -192,8 +193,9 @@ CHAT_STREAM_TTL_SECONDS = env.int("CHAT_STREAM_TTL_SECONDS", default=3600)
 CHAT_QUEUE_PER_SLOT = env.int("CHAT_QUEUE_PER_SLOT", default=4)
 # A turn queued this long on an idle node lost its Celery task (a broker restart) and is sent again.
 CHAT_LOST_TURN_SECONDS = env.float("CHAT_LOST_TURN_SECONDS", default=20.0)
-# The model id the OpenAI-compatible API serves.
-CHAT_MODEL_ID = env.str("CHAT_MODEL_ID", default="gemma-3-270m")
+# The model new conversations get (the API's `model` field and the chat page pick others); each node
+# serves one model, and a model is offered while some node serves it.
+CHAT_DEFAULT_MODEL = env.str("CHAT_DEFAULT_MODEL", default=DEFAULT_MODEL)
 # How long an API request waits for its reply before giving up (and cancelling it).
 CHAT_API_TIMEOUT_SECONDS = env.int("CHAT_API_TIMEOUT_SECONDS", default=600)
 # How long a browser's event stream waits on Redis between entries (a keep-alive is sent in between).

@@ -14,11 +14,12 @@ from redis.exceptions import RedisError
 from chatapp import selectors, services, streams
 from chatapp.api.keys import api_key_create
 from chatapp.api.keys import api_key_revoke as api_key_revoke_service
-from chatapp.forms import ConversationForm, FactForm, MessageForm
+from chatapp.forms import ConversationForm, FactForm, MessageForm, model_choices
 from chatapp.memory.registry import strategy_aliases
 from chatapp.models import Conversation, Turn
 from chatapp.turns import admission, lifecycle
 from chatapp.validation import TurnRejected, without_control_characters
+from router.services import served_models
 
 
 class HtmxHttpRequest(HttpRequest):
@@ -37,15 +38,16 @@ def conversation_list(request: HtmxHttpRequest) -> HttpResponse:
 def conversation_create(request: HtmxHttpRequest) -> HttpResponse:
     form = ConversationForm(request.POST)
     if not form.is_valid():
-        messages.error(request, "Pick one of the listed memory strategies.")
+        messages.error(request, "Pick one of the listed memory strategies and models.")
         return redirect("chat:conversation_list")
     try:
         conversation = services.conversation_create(
             owner=request.user,  # type: ignore[arg-type]
             title=form.cleaned_data["title"],
             strategy=form.cleaned_data["strategy"],
+            model=form.cleaned_data["model"],
         )
-    except TurnRejected as exc:
+    except (TurnRejected, ValueError) as exc:
         messages.error(request, str(exc))
         return redirect("chat:conversation_list")
     return redirect("chat:conversation_detail", conversation_id=conversation.pk)
@@ -74,7 +76,15 @@ def _chat_context(conversation: Conversation, *, form: MessageForm | None = None
         "form": form or MessageForm(),
         "error": error,
         "strategies": strategy_aliases(),
+        "models": model_choices(),
+        "n_ctx": _context_tokens(conversation.model),
     }
+
+
+def _context_tokens(model: str) -> int:
+    """The context the model's nodes hold (0 while none is up), for the turn inspector's bar."""
+    served = served_models().get(model)
+    return served.n_ctx if served else 0
 
 
 @require_POST
@@ -126,6 +136,7 @@ def turn_detail(request: HtmxHttpRequest, conversation_id: int, turn_id: int) ->
         "form": MessageForm(),
         "pending_turn": None if turn.is_finished else turn,
         "composer_oob": turn.is_finished,
+        "n_ctx": _context_tokens(turn.model) if turn.is_finished else 0,
     }
     return render(request, "chat/conversation_detail.html#turn", context)
 
@@ -161,6 +172,19 @@ def conversation_strategy(request: HtmxHttpRequest, conversation_id: int) -> Htt
         messages.error(request, str(exc))
     else:
         messages.success(request, f"Memory strategy: {conversation.strategy}. It applies from the next turn.")
+    return redirect("chat:conversation_detail", conversation_id=conversation.pk)
+
+
+@require_POST
+@login_required
+def conversation_model(request: HtmxHttpRequest, conversation_id: int) -> HttpResponse:
+    conversation = selectors.conversation_get_for_user(user=request.user, conversation_id=conversation_id)  # type: ignore[arg-type]
+    try:
+        services.conversation_set_model(conversation=conversation, model=request.POST.get("model", ""))
+    except ValueError as exc:
+        messages.error(request, str(exc))
+    else:
+        messages.success(request, f"Model: {conversation.model}. It answers from the next turn.")
     return redirect("chat:conversation_detail", conversation_id=conversation.pk)
 
 

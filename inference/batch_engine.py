@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from llama_cpp._internals import LlamaSampler
 
-from inference.chat_format import GemmaChatFormat
+from inference.chat_format import chat_format_for_model
 from inference.config import EngineConfig
 from inference.engine import FinishReason, Generation, NodeStats, Sampling, check_fits
 from inference.llama_runtime import BatchEntry, LlamaRuntime, NoKVSlot
@@ -69,7 +69,12 @@ class BatchEngine:
         self.config = config
         self.runtime = LlamaRuntime(config)
         self.n_ctx = min(config.N_CTX, self.runtime.seq_capacity)
-        self.chat_format = GemmaChatFormat(self.runtime)
+        self.model = self.runtime.model_file.name
+        self.chat_format = chat_format_for_model(
+            self.runtime,
+            template=self.runtime.metadata().get("tokenizer.chat_template", ""),
+            forced=self.runtime.model_file.chat_template,
+        )
         self.sessions = SessionCache(
             self.runtime, n_seq=config.MAX_RESIDENT_SESSIONS, spill_budget_bytes=config.SPILL_BUDGET_MB * 2**20
         )

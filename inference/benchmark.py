@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from inference.batch_engine import BatchEngine
-from inference.chat_format import ChatMessage, GemmaChatFormat
+from inference.chat_format import ChatFormat
+from inference.chat_templates import ChatMessage, TemplateSpec
 from inference.config import EngineConfig
 from inference.engine import Generation, Sampling
 
@@ -41,7 +42,7 @@ def as_chat(texts: Sequence[str]) -> list[ChatMessage]:
     return [ChatMessage(role="user" if i % 2 == 0 else "assistant", text=t) for i, t in enumerate(texts)]
 
 
-def long_conversation(fmt: GemmaChatFormat, conversations: Sequence[list[str]], tokens: int) -> list[ChatMessage]:
+def long_conversation(fmt: ChatFormat, conversations: Sequence[list[str]], tokens: int) -> list[ChatMessage]:
     """Real messages, conversation after conversation, until the history passes `tokens`; ends on a user turn."""
     texts: list[str] = []
     for conversation in conversations:
@@ -161,7 +162,7 @@ class NodeBenchmark:
         results = {"replay_s": ours, "replay_tokens": float(generated[0])}
         if s.baseline:
             s.progress("replay on llama-cpp-python's Llama with LlamaRAMCache, requests serialised")
-            baseline, baseline_tokens = replay_on_llama_cpp_python(self.engine.config, sessions, s)
+            baseline, baseline_tokens = replay_on_llama_cpp_python(self.engine.config, self.fmt.spec, sessions, s)
             results |= {
                 "replay_s_llama_cpp_python": baseline,
                 "replay_tokens_llama_cpp_python": float(baseline_tokens),
@@ -170,14 +171,14 @@ class NodeBenchmark:
         return results
 
 
-def replay_on_llama_cpp_python(config: EngineConfig, sessions: list[list[str]], s: BenchSettings) -> tuple[float, int]:
+def replay_on_llama_cpp_python(
+    config: EngineConfig, spec: TemplateSpec, sessions: list[list[str]], s: BenchSettings
+) -> tuple[float, int]:
     """The same replay on one shared `llama_cpp.Llama` with its `LlamaRAMCache`, one request at a time."""
     from llama_cpp import Llama, LlamaRAMCache, StoppingCriteriaList
 
-    from inference.model_files import resolve_model_path
-
     llm = Llama(
-        model_path=str(resolve_model_path(config.MODEL_PATH)),
+        model_path=str(config.model_file().path),
         n_ctx=config.N_CTX,
         n_threads=config.N_THREADS or None,
         n_gpu_layers=config.N_GPU_LAYERS,
@@ -187,7 +188,7 @@ def replay_on_llama_cpp_python(config: EngineConfig, sessions: list[list[str]], 
     # token for Gemma's 262k vocabulary) that its byte budget does not count; 64 MiB of counted state (~7
     # sessions) is about 4 GiB of real memory here. Larger budgets ran this machine (24 GiB) out of memory.
     llm.set_cache(LlamaRAMCache(capacity_bytes=BASELINE_CACHE_BYTES))
-    fmt = GemmaChatFormat(llm)
+    fmt = ChatFormat(llm, spec)
     stop_ids = fmt.stop_token_ids
     stopping = StoppingCriteriaList([lambda ids, logits: int(ids[-1]) in stop_ids])
     histories: list[list[ChatMessage]] = [[] for _ in sessions]

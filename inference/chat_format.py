@@ -1,27 +1,19 @@
-"""Render chat messages into exact prompt tokens, segment by segment.
+"""Render chat messages into exact prompt tokens, segment by segment, in the model's own template.
 
 A prefix cache only hits if tokens are identical, so the prompt is never
-re-rendered as one string. Each piece is tokenized on its own: template
-markers with special tokens enabled, message text with them disabled (a user
-who types `<end_of_turn>` gets those characters as text, not control), and an
-assistant message's stored token ids are reused verbatim. Turn N+1's prompt
-then starts with turn N's prompt plus its reply, token for token.
+re-rendered as one string. `inference.chat_templates` lays a prompt out in
+pieces; each is tokenized on its own: template markers with special tokens
+enabled, message text with them disabled (a user who types `<|im_end|>` gets
+those characters as text, not control), and an assistant message's stored
+token ids are reused verbatim. Turn N+1's prompt then starts with turn N's
+prompt plus its reply, token for token.
 """
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from functools import cache, lru_cache
-from typing import Literal, Protocol
+from typing import Protocol
 
-Role = Literal["system", "user", "assistant"]
-
-
-@dataclass(frozen=True)
-class ChatMessage:
-    role: Role
-    text: str
-    # The exact ids the model generated, for assistant messages that have them.
-    token_ids: tuple[int, ...] | None = None
+from inference.chat_templates import ChatMessage, Piece, TemplateSpec, layout, message_pieces, template_spec_for
 
 
 class Tokenizer(Protocol):
@@ -34,23 +26,21 @@ class Tokenizer(Protocol):
     def detokenize(self, tokens: list[int], *, special: bool = False) -> bytes: ...
 
 
-class GemmaChatFormat:
-    """Gemma's turn template: `<start_of_turn>{user|model}\\n{text}<end_of_turn>\\n`.
+class ChatFormat:
+    """A model's chat template, rendered to tokens piece by piece."""
 
-    Gemma has no system role; as in its official template, a system prompt
-    opens the first user turn, followed by a blank line.
-    """
-
-    ROLE_NAMES = {"user": "user", "assistant": "model"}
-
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, spec: TemplateSpec) -> None:
         self._tokenizer = tokenizer
+        self.spec = spec
         self._marker = cache(self._tokenize_marker)
         self._count_one = lru_cache(maxsize=65536)(self._count_message)
         self._text_tokens = lru_cache(maxsize=65536)(self._tokenize_text)
-        self.stop_token_ids = frozenset(
-            {tokenizer.token_eos(), *self._marker("<end_of_turn>"), *self._marker("<start_of_turn>")}
-        )
+        single = [ids[0] for ids in map(self._marker, spec.stop) if len(ids) == 1]
+        self.stop_token_ids = frozenset({tokenizer.token_eos(), *single})
+
+    @property
+    def template(self) -> str:
+        return self.spec.name
 
     def _tokenize_marker(self, marker: str) -> tuple[int, ...]:
         return tuple(self._tokenizer.tokenize(marker.encode(), add_bos=False, special=True))
@@ -67,23 +57,22 @@ class GemmaChatFormat:
     def _tokenize_text(self, text: str) -> tuple[int, ...]:
         return tuple(self._tokenizer.tokenize(text.encode(), add_bos=False, special=False))
 
-    def render(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True) -> list[int]:
-        """The prompt: <bos>, then each turn; system texts open the first user turn, each tokenized on its own."""
-        system = [m for m in messages if m.role == "system"]
-        tokens = [self._tokenizer.token_bos()]
-        for message in messages:
-            if message.role == "system":
-                continue
-            tokens += self._marker(f"<start_of_turn>{self.ROLE_NAMES[message.role]}\n")
-            if system and message.role == "user":
-                for piece in system:
-                    tokens += self._system_tokens(piece)
-                system = []
-            tokens += self._body(message)
-            tokens += self._marker("<end_of_turn>\n")
-        if add_generation_prompt:
-            tokens += self._marker("<start_of_turn>model\n")
+    def _tokens(self, pieces: Sequence[Piece]) -> list[int]:
+        tokens: list[int] = []
+        for piece in pieces:
+            if piece.bos:
+                tokens.append(self._tokenizer.token_bos())
+            elif piece.marker:
+                tokens += self._marker(piece.text)
+            elif piece.token_ids is not None:
+                tokens += piece.token_ids
+            elif piece.text:
+                tokens += self._text_tokens(piece.text)
         return tokens
+
+    def render(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True) -> list[int]:
+        """The prompt's tokens: the template's layout, each piece tokenized on its own."""
+        return self._tokens(layout(self.spec, messages, generation_prompt=add_generation_prompt))
 
     def count(self, messages: Sequence[ChatMessage]) -> int:
         """Tokens these messages add to a prompt; additive, so segments can be measured one by one.
@@ -91,18 +80,19 @@ class GemmaChatFormat:
         return sum(self._count_one(m) for m in messages)
 
     def _count_message(self, m: ChatMessage) -> int:
-        if m.role == "system":
-            return len(self._system_tokens(m))
-        opening = self._marker(f"<start_of_turn>{self.ROLE_NAMES[m.role]}\n")
-        return len(opening) + len(self._body(m)) + len(self._marker("<end_of_turn>\n"))
+        return len(self._tokens(message_pieces(self.spec, m)))
 
     @property
     def overhead(self) -> int:
-        """Tokens every prompt has besides its messages: <bos> and the opening of the model's turn."""
-        return 1 + len(self._marker("<start_of_turn>model\n"))
+        """The most tokens a prompt has besides its messages: BOS, the template's default system message (if
+        it has one, and only where no system message leads) and the opening of the model's turn."""
+        return len(self.render([]))
 
-    def _system_tokens(self, message: ChatMessage) -> list[int]:
-        return self.text_tokens(message.text + "\n\n") if message.text else []
 
-    def _body(self, message: ChatMessage) -> list[int]:
-        return list(message.token_ids) if message.token_ids is not None else self.text_tokens(message.text)
+def chat_format_for_model(tokenizer: Tokenizer, *, template: str, forced: str = "") -> ChatFormat:
+    """The chat format of a model from its Jinja template (`tokenizer.chat_template`), checked against it;
+    `forced` names a family instead (CHAT_TEMPLATE). Raises UnsupportedTemplate."""
+    bos, eos = (
+        tokenizer.detokenize([t], special=True).decode() for t in (tokenizer.token_bos(), tokenizer.token_eos())
+    )
+    return ChatFormat(tokenizer, template_spec_for(template, bos=bos, eos=eos, name=forced))

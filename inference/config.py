@@ -1,7 +1,9 @@
 """Engine knobs: one typed object, each field read from the environment."""
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+from inference.model_files import ModelFile, resolve_model
 
 
 def _env_int(name: str, default: int) -> int:
@@ -20,8 +22,14 @@ def _env_bool(name: str, default: bool) -> bool:
 class EngineConfig:
     """How a node loads and runs its model. Every field has an env variable of the same name."""
 
-    # GGUF file to load; empty means the packaged default model (inference.model_files).
+    # The model to serve: a packaged model's name (inference.model_files.PACKAGED; empty: the default), or
+    # the name a MODEL_PATH file is served under (empty: the file's stem).
+    MODEL: str = field(default_factory=lambda: os.environ.get("MODEL", ""))
+    # Any GGUF file to serve instead of a packaged model.
     MODEL_PATH: str = field(default_factory=lambda: os.environ.get("MODEL_PATH", ""))
+    # A template family (gemma, chatml, llama3) for a file without a chat template in its metadata;
+    # empty: read the file's own template, and refuse the model if it is not supported.
+    CHAT_TEMPLATE: str = field(default_factory=lambda: os.environ.get("CHAT_TEMPLATE", ""))
     # Context size in tokens: the longest prompt plus reply one session can hold.
     N_CTX: int = field(default_factory=lambda: _env_int("N_CTX", 4096))
     # Sessions whose KV cache stays in the context at once; more are spilled to host RAM.
@@ -50,8 +58,13 @@ class EngineConfig:
     # Sampling defaults; a request may override them.
     TEMPERATURE: float = field(default_factory=lambda: _env_float("TEMPERATURE", 0.7))
     TOP_P: float = field(default_factory=lambda: _env_float("TOP_P", 0.95))
-    # Mild penalty so the small base model does not loop.
+    # Mild penalty so small models do not loop.
     REPEAT_PENALTY: float = field(default_factory=lambda: _env_float("REPEAT_PENALTY", 1.1))
+
+    def model_file(self) -> "ModelFile":
+        """The GGUF this config serves (raises inference.model_files.ModelNotFound)."""
+        found = resolve_model(name=self.MODEL, path=self.MODEL_PATH)
+        return replace(found, chat_template=self.CHAT_TEMPLATE or found.chat_template)
 
     @property
     def kv_cells(self) -> int:

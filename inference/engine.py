@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 from inference.config import EngineConfig
 
 if TYPE_CHECKING:
-    from inference.chat_format import GemmaChatFormat
+    from inference.chat_format import ChatFormat
 
 FinishReason = Literal["stop", "length", "cancelled"]
 
@@ -62,8 +62,9 @@ class NodeStats:
 
 class Engine(Protocol):
     name: str
+    model: str  # the served model's name (inference.model_files)
     n_ctx: int
-    chat_format: "GemmaChatFormat"
+    chat_format: "ChatFormat"
 
     def default_sampling(self) -> Sampling: ...
 
@@ -92,12 +93,12 @@ _engine: Engine | None = None
 _engine_lock = threading.Lock()
 
 
-def get_engine() -> Engine:
-    """The process's engine, loaded once (at node start) and shared by all task threads."""
+def get_engine(config: EngineConfig | None = None) -> Engine:
+    """The process's engine, loaded once (at node start, with `config`) and shared by all task threads."""
     global _engine
     with _engine_lock:
         if _engine is None:
             from inference.batch_engine import BatchEngine
 
-            _engine = BatchEngine(EngineConfig())
+            _engine = BatchEngine(config or EngineConfig())
         return _engine

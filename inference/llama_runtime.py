@@ -15,7 +15,6 @@ from llama_cpp._logger import set_verbose
 
 from inference.config import EngineConfig
 from inference.engine import Sampling
-from inference.model_files import resolve_model_path
 
 
 @dataclass(frozen=True)
@@ -43,9 +42,8 @@ class LlamaRuntime:
         # llama.cpp's repacked CPU weights use GEMM kernels whose summation order depends on how many
         # rows a batch has, so a session's greedy output could change with what it was batched with.
         model_params.use_extra_bufts = not config.BATCH_INVARIANT
-        self.model = LlamaModel(
-            path_model=str(resolve_model_path(config.MODEL_PATH)), params=model_params, verbose=False
-        )
+        self.model_file = config.model_file()
+        self.model = LlamaModel(path_model=str(self.model_file.path), params=model_params, verbose=False)
         threads = config.N_THREADS or os.cpu_count() or 1
         self.batch_capacity = max(config.STEP_TOKEN_BUDGET, config.MAX_CONCURRENT)
         ctx_params = llama_cpp.llama_context_default_params()
@@ -77,6 +75,10 @@ class LlamaRuntime:
 
     def tokenize(self, text: bytes, add_bos: bool = True, special: bool = False) -> list[int]:
         return self.model.tokenize(text, add_bos, special)
+
+    def metadata(self) -> dict[str, str]:
+        """The GGUF's key-value metadata (chat template, special tokens, training context)."""
+        return self.model.metadata()
 
     def token_bos(self) -> int:
         return self.model.token_bos()

@@ -1,23 +1,25 @@
-"""The chat format without the weights: the web process counts tokens with the model's vocabulary only."""
+"""The chat format without the weights: the web process counts tokens with a model's vocabulary only."""
 
 import threading
 from functools import cache
 
-from inference.chat_format import GemmaChatFormat
-from inference.model_files import resolve_model_path
+from inference.chat_format import ChatFormat, chat_format_for_model
+from inference.model_files import ModelFile
 
 _loading = threading.Lock()
 
 
-def chat_format_for(model_path: str) -> GemmaChatFormat:
-    """One vocabulary per process. The lock matters: the load test found 32 first requests each loading
-    their own copy (about 47 MiB each) before the cache held one."""
+def chat_format_for(model: ModelFile) -> ChatFormat:
+    """One vocabulary per model and process. The lock matters: the load test found 32 first requests each
+    loading their own copy (about 47 MiB each) before the cache held one."""
     with _loading:
-        return _load(model_path)
+        return _load(model)
 
 
 @cache
-def _load(model_path: str) -> GemmaChatFormat:
+def _load(model: ModelFile) -> ChatFormat:
     from llama_cpp import Llama
 
-    return GemmaChatFormat(Llama(model_path=str(resolve_model_path(model_path)), vocab_only=True, verbose=False))
+    vocabulary = Llama(model_path=str(model.path), vocab_only=True, verbose=False)
+    template = vocabulary.metadata.get("tokenizer.chat_template", "")
+    return chat_format_for_model(vocabulary, template=template, forced=model.chat_template)

@@ -14,6 +14,13 @@ class Node(models.Model):
     queue = models.CharField(max_length=120)
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.UP, db_index=True)
     capacity = models.PositiveIntegerField(default=1, help_text="Concurrent generations (MAX_CONCURRENT).")
+    # The one model the node serves, as it reported at start: sessions of a conversation stay among the
+    # nodes of its model, and the web checks messages against these limits, not its own environment.
+    model = models.CharField(max_length=100, blank=True, db_index=True)
+    model_path = models.CharField(max_length=500, blank=True, help_text="The GGUF file, on the node's machine.")
+    chat_template = models.CharField(max_length=32, blank=True, help_text="Template family (gemma, chatml, llama3).")
+    n_ctx = models.PositiveIntegerField(default=0, help_text="Context tokens one session can hold.")
+    max_reply_tokens = models.PositiveIntegerField(default=0)
     # Sessions currently assigned here: the load that bounded-load hashing balances.
     sessions = models.IntegerField(default=0)
     stats = models.JSONField(default=dict, blank=True, help_text="The engine's latest NodeStats.")

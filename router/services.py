@@ -5,6 +5,7 @@ themselves; one that misses heartbeats for ROUTER_NODE_TIMEOUT_SECONDS is no
 longer healthy and is marked down by the next reaper pass.
 """
 
+import dataclasses
 import hashlib
 from collections.abc import Sequence
 from datetime import timedelta
@@ -22,6 +23,17 @@ from router.policies import NodeLoad, RoutingPolicy
 
 class NoHealthyNode(RuntimeError):
     pass
+
+
+@dataclasses.dataclass(frozen=True)
+class ServedModel:
+    """What a node serves, as it reports it at start and in each heartbeat."""
+
+    model: str
+    model_path: str
+    chat_template: str
+    n_ctx: int
+    max_reply_tokens: int
 
 
 def queue_for_node(name: str) -> str:
@@ -42,12 +54,13 @@ def prefix_routing_key(prefix: Sequence[int] | str) -> str:
 # Registry -----------------------------------------------------------------------
 
 
-def node_heartbeat(*, name: str, capacity: int, stats: dict[str, Any], incarnation: str) -> None:
+def node_heartbeat(*, name: str, capacity: int, stats: dict[str, Any], incarnation: str, served: ServedModel) -> None:
     """Register the node (up, if new) or refresh its heartbeat and stats, if `incarnation` is the process
     serving under this name. A node marked unresponsive while it was alive (stalled) is up again; a
     drained or downed node stays so. A heartbeat from a process that another has replaced changes nothing."""
     now = timezone.now()
     fields = {"queue": queue_for_node(name), "capacity": capacity, "stats": stats, "last_heartbeat": now}
+    fields |= dataclasses.asdict(served)
     with transaction.atomic():
         node, created = Node.objects.select_for_update().get_or_create(
             name=name, defaults=fields | {"incarnation": incarnation, "started_at": now, "status": Node.Status.UP}
@@ -62,10 +75,11 @@ def node_heartbeat(*, name: str, capacity: int, stats: dict[str, Any], incarnati
         node.save(update_fields=[*fields, "incarnation", "status"])
 
 
-def node_start(*, name: str, capacity: int, incarnation: str) -> None:
+def node_start(*, name: str, capacity: int, incarnation: str, served: ServedModel) -> None:
     """A node process (re)joining under `name`: it replaces any earlier one, and is up whatever that was."""
     now = timezone.now()
     fields = {"queue": queue_for_node(name), "capacity": capacity, "stats": {}, "last_heartbeat": now}
+    fields |= dataclasses.asdict(served)
     fields |= {"incarnation": incarnation, "started_at": now, "status": Node.Status.UP}
     Node.objects.update_or_create(name=name, defaults=fields)
 
@@ -107,15 +121,39 @@ def is_healthy(node: Node) -> bool:
     return node.status == Node.Status.UP and fresh
 
 
-def healthy_nodes() -> list[Node]:
-    return list(Node.objects.filter(status=Node.Status.UP).exclude(_stale_q()).order_by("name"))
+def healthy_nodes(*, model: str | None = None) -> list[Node]:
+    """Nodes that may take new sessions: all of them, or those serving `model`."""
+    nodes = Node.objects.filter(status=Node.Status.UP).exclude(_stale_q())
+    return list((nodes if model is None else nodes.filter(model=model)).order_by("name"))
+
+
+def served_models() -> dict[str, ServedModel]:
+    """The models some healthy node serves, each with the tightest limits among its nodes."""
+    served: dict[str, ServedModel] = {}
+    for node in healthy_nodes():
+        if node.model:
+            known = served.get(node.model)
+            served[node.model] = ServedModel(
+                model=node.model,
+                model_path=node.model_path,
+                chat_template=node.chat_template,
+                n_ctx=min(node.n_ctx, known.n_ctx) if known else node.n_ctx,
+                max_reply_tokens=min(node.max_reply_tokens, known.max_reply_tokens) if known else node.max_reply_tokens,
+            )
+    return served
+
+
+def known_models() -> set[str]:
+    """Every model a node has ever registered, up or not."""
+    return set(Node.objects.exclude(model="").values_list("model", flat=True).distinct())
 
 
 # Assignment ---------------------------------------------------------------------
 
 
-def session_node(*, session_key: str, policy: str | None = None) -> Node:
-    """The node for this session's next turn: kept while healthy and not overloaded, else moved and recorded.
+def session_node(*, session_key: str, policy: str | None = None, model: str | None = None) -> Node:
+    """The node for this session's next turn, among the healthy nodes serving `model` (None: any): kept
+    while healthy and not overloaded, else moved and recorded.
 
     The common cases cost one statement each: a follow-up that stays put is
     decided from a single read, and a new session is placed by a single insert
@@ -124,9 +162,10 @@ def session_node(*, session_key: str, policy: str | None = None) -> Node:
     and decides again under the lock, so racing turns of one session agree.
     """
     chooser = policy_get(policy)
-    nodes, current = _healthy_nodes_and_current(session_key)
+    nodes, current = _healthy_nodes_and_current(session_key, model)
     if not nodes:
-        raise NoHealthyNode("No inference node is up; try again shortly.")
+        serving = f" serves the model {model}" if model else " is up"
+        raise NoHealthyNode(f"No inference node{serving}; try again shortly.")
     by_name = {n.name: n for n in nodes}
     loads = [NodeLoad(n.name, n.sessions) for n in nodes]
     if current is not None and chooser.choose(session_key=session_key, current=current, nodes=loads).node == current:
@@ -144,27 +183,32 @@ def session_node(*, session_key: str, policy: str | None = None) -> Node:
         current = assignment.node.name if assignment.node.name in by_name else None
         choice = chooser.choose(session_key=session_key, current=current, nodes=loads)
         if choice.node != assignment.node.name:
-            _move(assignment, by_name[choice.node], choice.reason if current else "node down or draining")
+            _move(assignment, by_name[choice.node], choice.reason if current else _why_moved(assignment.node, model))
         return by_name[choice.node]
 
 
-def _healthy_nodes_and_current(session_key: str) -> tuple[list[Node], str | None]:
-    """Healthy nodes with their loads, and the session's node if it is one of them: one query (hot path)."""
+def _healthy_nodes_and_current(session_key: str, model: str | None) -> tuple[list[Node], str | None]:
+    """Healthy nodes (of `model`) with their loads, and the session's node if it is one of them: one query
+    (hot path)."""
     nodes = list(
         Node.objects.raw(
             """
-            SELECT n.id, n.name, n.queue, n.status, n.capacity, n.sessions, n.last_heartbeat,
+            SELECT n.id, n.name, n.queue, n.status, n.capacity, n.sessions, n.last_heartbeat, n.model,
                    EXISTS (SELECT 1 FROM router_sessionassignment a
                            WHERE a.session_key = %s AND a.node_id = n.id) AS is_current
             FROM router_node n
-            WHERE n.status = %s AND n.last_heartbeat >= %s
+            WHERE n.status = %s AND n.last_heartbeat >= %s AND (%s::text IS NULL OR n.model = %s)
             ORDER BY n.name
             """,
-            [session_key, Node.Status.UP, _heartbeat_cutoff()],
+            [session_key, Node.Status.UP, _heartbeat_cutoff(), model, model],
         )
     )
     current = next((n.name for n in nodes if n.is_current), None)  # type: ignore[attr-defined]
     return nodes, current
+
+
+def _why_moved(node: Node, model: str | None) -> str:
+    return "model changed" if model is not None and node.model != model else "node down or draining"
 
 
 def _place_new(session_key: str, node: Node, reason: str) -> bool:

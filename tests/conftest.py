@@ -15,8 +15,10 @@ import pytest
 from django.db import connection
 
 from inference.batch_engine import BatchEngine
+from inference.chat_format import ChatFormat
 from inference.config import EngineConfig
-from inference.model_files import resolve_model_path
+from inference.model_files import ModelFile
+from inference.tokenizer import chat_format_for
 from router.models import Node
 from router.services import healthy_nodes
 from tests.factories import NodeFactory, UserFactory
@@ -35,15 +37,15 @@ NODE_ENV = {
 
 
 @pytest.fixture(scope="session")
-def model_path() -> Path:
-    return resolve_model_path(EngineConfig().MODEL_PATH)
+def model_file() -> ModelFile:
+    """The model the suite runs: the default one, unless MODEL or MODEL_PATH says otherwise."""
+    return EngineConfig().model_file()
 
 
 @pytest.fixture(scope="session")
-def engine(model_path: Path) -> Iterator[BatchEngine]:
+def engine(model_file: ModelFile) -> Iterator[BatchEngine]:
     """An engine in the test process, small so that spilling and chunked prefill happen quickly."""
     config = EngineConfig(
-        MODEL_PATH=str(model_path),
         N_CTX=1024,
         MAX_RESIDENT_SESSIONS=4,
         MAX_CONCURRENT=8,
@@ -56,11 +58,17 @@ def engine(model_path: Path) -> Iterator[BatchEngine]:
 
 
 @pytest.fixture(scope="session")
-def tokenizer(model_path: Path):
+def tokenizer(model_file: ModelFile):
     """The real model's tokenizer (vocabulary only: no weights are loaded)."""
     from llama_cpp import Llama
 
-    return Llama(model_path=str(model_path), vocab_only=True, verbose=False)
+    return Llama(model_path=str(model_file.path), vocab_only=True, verbose=False)
+
+
+@pytest.fixture(scope="session")
+def chat_format(model_file: ModelFile) -> ChatFormat:
+    """The model's chat format, as the web process builds it (vocabulary only)."""
+    return chat_format_for(model_file)
 
 
 def start_node(name: str, database: str, **env: str) -> subprocess.Popen:

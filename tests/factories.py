@@ -1,4 +1,5 @@
 import factory
+from django.conf import settings
 from django.contrib.auth.models import User
 from django.utils import timezone
 
@@ -41,3 +42,8 @@ class NodeFactory(factory.django.DjangoModelFactory[Node]):
     status = Node.Status.UP
     capacity = 16
     last_heartbeat = factory.LazyFunction(timezone.now)
+    # As a node of the default model reports itself (its vocabulary is installed here).
+    model = factory.LazyFunction(lambda: settings.CHAT_DEFAULT_MODEL)
+    chat_template = "chatml"
+    n_ctx = 4096
+    max_reply_tokens = 256

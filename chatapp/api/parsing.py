@@ -64,13 +64,6 @@ def parse_chat_request(body: bytes) -> ChatRequest:
     model = data.get("model")
     if not isinstance(model, str) or not model:
         raise ApiError("You must provide a model parameter.", param="model")
-    if model != settings.CHAT_MODEL_ID:
-        raise ApiError(
-            f"The model `{model}` does not exist; this server serves `{settings.CHAT_MODEL_ID}`.",
-            status=404,
-            param="model",
-            code="model_not_found",
-        )
     if data.get("n", 1) != 1:
         raise ApiError("Only n=1 is supported.", param="n", code="unsupported_value")
     system, history = _messages(data.get("messages"))

@@ -66,6 +66,10 @@ def api_turn_start(*, key: ApiKey, request: ChatRequest, session_id: str | None,
             services.check_strategy(strategy)
         except ValueError as exc:
             raise ApiError(str(exc), param="X-Memory-Strategy", code="unknown_strategy") from exc
+    try:
+        services.check_model(request.model)
+    except services.UnknownModel as exc:
+        raise ApiError(str(exc), status=404, param="model", code="model_not_found") from exc
     *earlier, (_, new_text) = request.history
     wanted = [_normalised(role, text) for role, text in earlier]
     admission.reap_unfinished(Turn.objects.filter(conversation__owner=owner, conversation__api_session=session))
@@ -75,6 +79,7 @@ def api_turn_start(*, key: ApiKey, request: ChatRequest, session_id: str | None,
             if latest is not None and (again := _sent_again(latest, request.system, wanted, new_text)):
                 return again
             conversation = _conversation(owner, session, request.system, wanted, latest)
+            services.conversation_set_model(conversation=conversation, model=request.model)
             if strategy:
                 services.conversation_set_strategy(conversation=conversation, strategy=strategy)
             return admission.turn_start(

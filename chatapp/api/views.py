@@ -24,6 +24,7 @@ from chatapp.api.sessions import api_turn_start
 from chatapp.models import ApiKey, Turn
 from chatapp.turn_events import database_slot, follow_turn
 from chatapp.turns.lifecycle import turn_cancel
+from router.services import served_models
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "stop"}
 RESTARTED = ApiError(
@@ -51,14 +52,19 @@ def _authenticate(request: HttpRequest) -> ApiKey:
 
 @csrf_exempt
 async def models(request: HttpRequest) -> HttpResponse:
+    """The models some live node serves (a model whose nodes are all down is not offered)."""
     try:
         if request.method != "GET":
             raise ApiError("Use GET.", status=405)
         await sync_to_async(_authenticate)(request)
     except ApiError as exc:
         return exc.response()
-    model = {"id": settings.CHAT_MODEL_ID, "object": "model", "created": 0, "owned_by": "chatapp"}
-    return JsonResponse({"object": "list", "data": [model]})
+    served = await sync_to_async(served_models)()
+    data = [
+        {"id": m.model, "object": "model", "created": 0, "owned_by": "chatapp", "max_model_len": m.n_ctx}
+        for m in sorted(served.values(), key=lambda m: m.model)
+    ]
+    return JsonResponse({"object": "list", "data": data})
 
 
 @csrf_exempt

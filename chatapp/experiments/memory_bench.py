@@ -37,7 +37,7 @@ from chatapp.memory.assembly import names_of, stored_message
 from chatapp.memory.base import AssembledPrompt, StoredMessage
 from chatapp.memory.registry import strategy_get
 from chatapp.models import Conversation
-from inference.chat_format import GemmaChatFormat
+from inference.chat_format import ChatFormat
 
 # The LoCoMo paper's DRAGON retriever over dialog turns: evidence recall at top-k (Table 4).
 DRAGON = {"top-5": 0.567, "top-10": 0.662, "top-25": 0.767, "top-50 (~1,500 tokens)": 0.827}
@@ -72,7 +72,7 @@ def locomo_store(source: LocomoConversation, *, owner: User) -> StoredLocomo:
                 for t in source.turns
             ],
         )
-    history = tuple(stored_message(m) for m in conversation.messages.order_by("created_at", "id"))
+    history = tuple(stored_message(m, model="") for m in conversation.messages.order_by("created_at", "id"))
     message_of = {turn.dia_id: message for turn, message in zip(source.turns, history, strict=True)}
     return StoredLocomo(source, history, message_of, names_of(conversation))
 
@@ -119,7 +119,7 @@ def run_questions(
     spec: RunSpec,
     *,
     budget: int,
-    fmt: GemmaChatFormat,
+    fmt: ChatFormat,
     keep_prompts: Iterable[int] = (),
 ) -> list[QuestionResult]:
     """Ask every question of `stored` in order under one strategy and budget (see the module's docstring);

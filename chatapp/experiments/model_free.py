@@ -21,7 +21,7 @@ from chatapp.memory.base import (
 )
 from chatapp.memory.summaries import stand_in_writer, summaries_bring_up_to_date
 from chatapp.selectors import text_search
-from inference.chat_format import GemmaChatFormat
+from inference.chat_format import ChatFormat
 from inference.session_cache import common_prefix
 
 
@@ -37,7 +37,7 @@ class ModelFreeTurn:
 @dataclass
 class ModelFreeSession:
     strategy: MemoryStrategy
-    fmt: GemmaChatFormat
+    fmt: ChatFormat
     budget: int
     history: list[StoredMessage] = field(default_factory=list)
     names: dict[str, str] = field(default_factory=lambda: {"user": "User", "assistant": "Assistant"})

@@ -130,7 +130,7 @@ def replay_live(
     progress: Progress = lambda: None,
 ) -> None:
     sampling = {"max_tokens": max_tokens, "temperature": 0.0, "seed": seed}
-    chat_format_for(EngineConfig().MODEL_PATH)  # load the vocabulary before the clock starts
+    chat_format_for(EngineConfig().model_file())  # load the vocabulary before the clock starts
 
     def one_session(session_index: int, session: ReplaySession) -> None:
         close_old_connections()
@@ -203,7 +203,7 @@ def dry_turns(strategy: MemoryStrategy, session: ReplaySession, *, max_tokens: i
     """Each turn's assembly figures (ReplayTurn fields), with the recorded replies standing in for the model's
     (and stand-in summaries, `model_free`)."""
     config = EngineConfig()
-    fmt = chat_format_for(config.MODEL_PATH)
+    fmt = chat_format_for(config.model_file())
     run = ModelFreeSession(strategy, fmt, budget=config.N_CTX - max_tokens - fmt.overhead)
     ids = itertools.count(1)
     for text, reply_text in zip(session.user_messages, session.replies, strict=True):

@@ -18,7 +18,7 @@ from chatapp.memory.summaries import (
 )
 from chatapp.models import Conversation, Message, Summary, Turn, UserFact
 from chatapp.selectors import message_search
-from inference.chat_format import ChatMessage
+from inference.chat_templates import ChatMessage
 from inference.engine import Sampling
 
 if TYPE_CHECKING:
@@ -31,8 +31,9 @@ class TurnPrompt:
     tokens: list[int]
 
 
-def stored_message(message: Message) -> StoredMessage:
-    token_ids = tuple(message.token_ids) if message.token_ids is not None else None
+def stored_message(message: Message, *, model: str) -> StoredMessage:
+    """A stored message as strategies see it; its token ids only for prompts of the model that wrote them."""
+    token_ids = tuple(message.token_ids) if message.token_ids is not None and message.model == model else None
     return StoredMessage(
         id=message.pk,
         role=message.role,  # type: ignore[arg-type]
@@ -52,10 +53,10 @@ def stored_summaries(conversation: Conversation) -> list[StoredSummary]:
     return [StoredSummary(s.text, s.through_message_id, s.first_message_id or 0) for s in conversation.summaries.all()]
 
 
-def _history(turn: Turn) -> list[StoredMessage]:
+def _history(turn: Turn, model: str) -> list[StoredMessage]:
     """Every message of the conversation stored before the turn's own."""
     earlier = Message.objects.filter(conversation_id=turn.conversation_id, id__lt=turn.user_message_id)
-    return [stored_message(m) for m in earlier.order_by("created_at", "id")]
+    return [stored_message(m, model=model) for m in earlier.order_by("created_at", "id")]
 
 
 def _context(turn: Turn, engine: "Engine", sampling: Sampling) -> MemoryContext:
@@ -64,8 +65,8 @@ def _context(turn: Turn, engine: "Engine", sampling: Sampling) -> MemoryContext:
     previous = earlier.last()
     fmt = engine.chat_format
     return MemoryContext(
-        history=_history(turn),
-        new_message=stored_message(turn.user_message),
+        history=_history(turn, engine.model),
+        new_message=stored_message(turn.user_message, model=engine.model),
         budget=engine.n_ctx - sampling.max_tokens - fmt.overhead,
         count_tokens=fmt.count,
         system_prompt=conversation.system_prompt or settings.CHAT_SYSTEM_PROMPT,
@@ -115,7 +116,7 @@ def turn_summarize(*, turn: Turn, engine: "Engine") -> list[StoredSummary]:
         return StoredSummary(row.text, job.through_message_id, job.first_message_id)
 
     return summaries_bring_up_to_date(
-        history=_history(turn),
+        history=_history(turn, engine.model),
         window_start=turn.trace.get("first_verbatim") or 0,
         summaries=stored_summaries(conversation),
         count_text=lambda text: len(fmt.text_tokens(text)),

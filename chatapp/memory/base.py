@@ -25,7 +25,7 @@ from functools import cached_property
 from typing import Literal
 
 from chatapp.memory import lexical
-from inference.chat_format import ChatMessage
+from inference.chat_templates import ChatMessage
 
 SegmentKind = Literal["system", "pinned", "summary", "retrieved", "recalled", "verbatim"]
 RECALL_HEADING = "Earlier in this conversation:"

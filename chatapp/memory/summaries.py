@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from chatapp.memory.base import StoredMessage, StoredSummary, current_summaries
 
 if TYPE_CHECKING:
-    from inference.chat_format import GemmaChatFormat
+    from inference.chat_format import ChatFormat
 
 CHUNK_TOKENS = 1024
 SUMMARY_TOKENS = 96
@@ -112,7 +112,7 @@ def _cut(text: str, tokens: int, count_text: Callable[[str], int]) -> str:
     return text
 
 
-def stand_in_writer(fmt: "GemmaChatFormat") -> Callable[[SummaryJob], StoredSummary]:
+def stand_in_writer(fmt: "ChatFormat") -> Callable[[SummaryJob], StoredSummary]:
     """For runs without a model (dry replays, bench_memory): each summary is the first SUMMARY_TOKENS tokens
     of what it would summarise, so its size, and where it sits, are right."""
 

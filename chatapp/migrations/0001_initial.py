@@ -8,7 +8,6 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
     dependencies = [
@@ -17,67 +16,127 @@ class Migration(migrations.Migration):
 
     operations = [
         migrations.CreateModel(
-            name='Conversation',
+            name="Conversation",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('title', models.CharField(blank=True, max_length=200)),
-                ('strategy', models.CharField(default='full', help_text='Memory-assembly strategy alias (CHAT_MEMORY_STRATEGIES).', max_length=64)),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
-                ('updated_at', models.DateTimeField(auto_now=True, db_index=True)),
-                ('owner', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='conversations', to=settings.AUTH_USER_MODEL)),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                ("title", models.CharField(blank=True, max_length=200)),
+                (
+                    "strategy",
+                    models.CharField(
+                        default="full",
+                        help_text="Memory-assembly strategy alias (CHAT_MEMORY_STRATEGIES).",
+                        max_length=64,
+                    ),
+                ),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
+                ("updated_at", models.DateTimeField(auto_now=True, db_index=True)),
+                (
+                    "owner",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="conversations",
+                        to=settings.AUTH_USER_MODEL,
+                    ),
+                ),
             ],
             options={
-                'ordering': ['-updated_at'],
+                "ordering": ["-updated_at"],
             },
         ),
         migrations.CreateModel(
-            name='Message',
+            name="Message",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('role', models.CharField(choices=[('system', 'System'), ('user', 'User'), ('assistant', 'Assistant')], max_length=16)),
-                ('content', models.TextField()),
-                ('token_ids', django.contrib.postgres.fields.ArrayField(base_field=models.IntegerField(), blank=True, null=True)),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
-                ('conversation', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='messages', to='chatapp.conversation')),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                (
+                    "role",
+                    models.CharField(
+                        choices=[("system", "System"), ("user", "User"), ("assistant", "Assistant")], max_length=16
+                    ),
+                ),
+                ("content", models.TextField()),
+                (
+                    "token_ids",
+                    django.contrib.postgres.fields.ArrayField(base_field=models.IntegerField(), blank=True, null=True),
+                ),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
+                (
+                    "conversation",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE, related_name="messages", to="chatapp.conversation"
+                    ),
+                ),
             ],
             options={
-                'ordering': ['created_at', 'id'],
+                "ordering": ["created_at", "id"],
             },
         ),
         migrations.CreateModel(
-            name='Turn',
+            name="Turn",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('public_id', models.UUIDField(default=uuid.uuid4, editable=False, unique=True)),
-                ('status', models.CharField(choices=[('queued', 'Queued'), ('running', 'Running'), ('done', 'Done'), ('failed', 'Failed'), ('cancelled', 'Cancelled')], db_index=True, default='queued', max_length=16)),
-                ('node', models.CharField(blank=True, db_index=True, max_length=100)),
-                ('strategy', models.CharField(blank=True, max_length=64)),
-                ('finish_reason', models.CharField(blank=True, max_length=16)),
-                ('error', models.TextField(blank=True)),
-                ('prompt_tokens', models.PositiveIntegerField(blank=True, null=True)),
-                ('cached_tokens', models.PositiveIntegerField(blank=True, null=True)),
-                ('completion_tokens', models.PositiveIntegerField(blank=True, null=True)),
-                ('queue_ms', models.FloatField(blank=True, null=True)),
-                ('prefill_ms', models.FloatField(blank=True, null=True)),
-                ('ttft_ms', models.FloatField(blank=True, null=True)),
-                ('decode_tokens_per_s', models.FloatField(blank=True, null=True)),
-                ('created_at', models.DateTimeField(auto_now_add=True, db_index=True)),
-                ('started_at', models.DateTimeField(blank=True, null=True)),
-                ('finished_at', models.DateTimeField(blank=True, null=True)),
-                ('assistant_message', models.OneToOneField(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, related_name='produced_by', to='chatapp.message')),
-                ('conversation', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='turns', to='chatapp.conversation')),
-                ('user_message', models.OneToOneField(on_delete=django.db.models.deletion.CASCADE, related_name='answered_by', to='chatapp.message')),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                ("public_id", models.UUIDField(default=uuid.uuid4, editable=False, unique=True)),
+                (
+                    "status",
+                    models.CharField(
+                        choices=[
+                            ("queued", "Queued"),
+                            ("running", "Running"),
+                            ("done", "Done"),
+                            ("failed", "Failed"),
+                            ("cancelled", "Cancelled"),
+                        ],
+                        db_index=True,
+                        default="queued",
+                        max_length=16,
+                    ),
+                ),
+                ("node", models.CharField(blank=True, db_index=True, max_length=100)),
+                ("strategy", models.CharField(blank=True, max_length=64)),
+                ("finish_reason", models.CharField(blank=True, max_length=16)),
+                ("error", models.TextField(blank=True)),
+                ("prompt_tokens", models.PositiveIntegerField(blank=True, null=True)),
+                ("cached_tokens", models.PositiveIntegerField(blank=True, null=True)),
+                ("completion_tokens", models.PositiveIntegerField(blank=True, null=True)),
+                ("queue_ms", models.FloatField(blank=True, null=True)),
+                ("prefill_ms", models.FloatField(blank=True, null=True)),
+                ("ttft_ms", models.FloatField(blank=True, null=True)),
+                ("decode_tokens_per_s", models.FloatField(blank=True, null=True)),
+                ("created_at", models.DateTimeField(auto_now_add=True, db_index=True)),
+                ("started_at", models.DateTimeField(blank=True, null=True)),
+                ("finished_at", models.DateTimeField(blank=True, null=True)),
+                (
+                    "assistant_message",
+                    models.OneToOneField(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.SET_NULL,
+                        related_name="produced_by",
+                        to="chatapp.message",
+                    ),
+                ),
+                (
+                    "conversation",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE, related_name="turns", to="chatapp.conversation"
+                    ),
+                ),
+                (
+                    "user_message",
+                    models.OneToOneField(
+                        on_delete=django.db.models.deletion.CASCADE, related_name="answered_by", to="chatapp.message"
+                    ),
+                ),
             ],
             options={
-                'ordering': ['created_at', 'id'],
+                "ordering": ["created_at", "id"],
             },
         ),
         migrations.AddIndex(
-            model_name='conversation',
-            index=models.Index(fields=['owner', '-updated_at'], name='chatapp_con_owner_i_beaa0a_idx'),
+            model_name="conversation",
+            index=models.Index(fields=["owner", "-updated_at"], name="chatapp_con_owner_i_beaa0a_idx"),
         ),
         migrations.AddIndex(
-            model_name='message',
-            index=models.Index(fields=['conversation', 'created_at', 'id'], name='chatapp_mes_convers_4d0811_idx'),
+            model_name="message",
+            index=models.Index(fields=["conversation", "created_at", "id"], name="chatapp_mes_convers_4d0811_idx"),
         ),
     ]

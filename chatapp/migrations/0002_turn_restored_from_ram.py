@@ -4,15 +4,14 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('chatapp', '0001_initial'),
+        ("chatapp", "0001_initial"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='turn',
-            name='restored_from_ram',
+            model_name="turn",
+            name="restored_from_ram",
             field=models.BooleanField(default=False, help_text="The session's KV state came back from host RAM."),
         ),
     ]

@@ -4,15 +4,14 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('chatapp', '0002_turn_restored_from_ram'),
+        ("chatapp", "0002_turn_restored_from_ram"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='turn',
-            name='attempt',
+            model_name="turn",
+            name="attempt",
             field=models.PositiveIntegerField(default=0),
         ),
     ]

@@ -9,90 +9,101 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('chatapp', '0003_turn_attempt'),
+        ("chatapp", "0003_turn_attempt"),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
 
     operations = [
         migrations.CreateModel(
-            name='Summary',
+            name="Summary",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('text', models.TextField()),
-                ('prompt_tokens', models.PositiveIntegerField(default=0)),
-                ('completion_tokens', models.PositiveIntegerField(default=0)),
-                ('ms', models.FloatField(default=0)),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                ("text", models.TextField()),
+                ("prompt_tokens", models.PositiveIntegerField(default=0)),
+                ("completion_tokens", models.PositiveIntegerField(default=0)),
+                ("ms", models.FloatField(default=0)),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
             ],
             options={
-                'ordering': ['through_message_id'],
+                "ordering": ["through_message_id"],
             },
         ),
         migrations.CreateModel(
-            name='UserFact',
+            name="UserFact",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('text', models.CharField(max_length=500)),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                ("text", models.CharField(max_length=500)),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
             ],
             options={
-                'ordering': ['created_at', 'id'],
+                "ordering": ["created_at", "id"],
             },
         ),
         migrations.AddField(
-            model_name='message',
-            name='excluded',
-            field=models.BooleanField(default=False, help_text='Never resent to the model.'),
+            model_name="message",
+            name="excluded",
+            field=models.BooleanField(default=False, help_text="Never resent to the model."),
         ),
         migrations.AddField(
-            model_name='message',
-            name='pinned',
-            field=models.BooleanField(default=False, help_text='Rides in a fixed slot after the system prompt.'),
+            model_name="message",
+            name="pinned",
+            field=models.BooleanField(default=False, help_text="Rides in a fixed slot after the system prompt."),
         ),
         migrations.AddField(
-            model_name='turn',
-            name='prompt_hash',
+            model_name="turn",
+            name="prompt_hash",
             field=models.CharField(blank=True, max_length=64),
         ),
         migrations.AddField(
-            model_name='turn',
-            name='prompt_text',
+            model_name="turn",
+            name="prompt_text",
             field=models.TextField(blank=True),
         ),
         migrations.AddField(
-            model_name='turn',
-            name='strategy_options',
+            model_name="turn",
+            name="strategy_options",
             field=models.JSONField(blank=True, default=dict),
         ),
         migrations.AddField(
-            model_name='turn',
-            name='trace',
+            model_name="turn",
+            name="trace",
             field=models.JSONField(blank=True, default=dict),
         ),
         migrations.AlterField(
-            model_name='conversation',
-            name='strategy',
-            field=models.CharField(default=chatapp.models.default_strategy, help_text='Memory-assembly strategy alias (CHAT_MEMORY_STRATEGIES).', max_length=64),
+            model_name="conversation",
+            name="strategy",
+            field=models.CharField(
+                default=chatapp.models.default_strategy,
+                help_text="Memory-assembly strategy alias (CHAT_MEMORY_STRATEGIES).",
+                max_length=64,
+            ),
         ),
         migrations.AddIndex(
-            model_name='message',
-            index=django.contrib.postgres.indexes.GinIndex(django.contrib.postgres.search.SearchVector('content', config='english'), name='message_content_search'),
+            model_name="message",
+            index=django.contrib.postgres.indexes.GinIndex(
+                django.contrib.postgres.search.SearchVector("content", config="english"), name="message_content_search"
+            ),
         ),
         migrations.AddField(
-            model_name='summary',
-            name='conversation',
-            field=models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='summaries', to='chatapp.conversation'),
+            model_name="summary",
+            name="conversation",
+            field=models.ForeignKey(
+                on_delete=django.db.models.deletion.CASCADE, related_name="summaries", to="chatapp.conversation"
+            ),
         ),
         migrations.AddField(
-            model_name='summary',
-            name='through_message',
-            field=models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='+', to='chatapp.message'),
+            model_name="summary",
+            name="through_message",
+            field=models.ForeignKey(
+                on_delete=django.db.models.deletion.CASCADE, related_name="+", to="chatapp.message"
+            ),
         ),
         migrations.AddField(
-            model_name='userfact',
-            name='owner',
-            field=models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='facts', to=settings.AUTH_USER_MODEL),
+            model_name="userfact",
+            name="owner",
+            field=models.ForeignKey(
+                on_delete=django.db.models.deletion.CASCADE, related_name="facts", to=settings.AUTH_USER_MODEL
+            ),
         ),
     ]

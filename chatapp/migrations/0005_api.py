@@ -6,47 +6,56 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('chatapp', '0004_memory'),
+        ("chatapp", "0004_memory"),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='conversation',
-            name='api_session',
+            model_name="conversation",
+            name="api_session",
             field=models.CharField(blank=True, db_index=True, max_length=200),
         ),
         migrations.AddField(
-            model_name='conversation',
-            name='source',
-            field=models.CharField(choices=[('ui', 'Ui'), ('api', 'Api')], db_index=True, default='ui', max_length=8),
+            model_name="conversation",
+            name="source",
+            field=models.CharField(choices=[("ui", "Ui"), ("api", "Api")], db_index=True, default="ui", max_length=8),
         ),
         migrations.AddField(
-            model_name='conversation',
-            name='system_prompt',
+            model_name="conversation",
+            name="system_prompt",
             field=models.TextField(blank=True),
         ),
         migrations.AddField(
-            model_name='turn',
-            name='sampling',
+            model_name="turn",
+            name="sampling",
             field=models.JSONField(blank=True, default=dict),
         ),
         migrations.CreateModel(
-            name='ApiKey',
+            name="ApiKey",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('name', models.CharField(max_length=100)),
-                ('prefix', models.CharField(help_text="The key's first characters, to find it.", max_length=16, unique=True)),
-                ('hashed', models.CharField(max_length=64)),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
-                ('last_used_at', models.DateTimeField(blank=True, null=True)),
-                ('revoked_at', models.DateTimeField(blank=True, null=True)),
-                ('owner', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='api_keys', to=settings.AUTH_USER_MODEL)),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                ("name", models.CharField(max_length=100)),
+                (
+                    "prefix",
+                    models.CharField(help_text="The key's first characters, to find it.", max_length=16, unique=True),
+                ),
+                ("hashed", models.CharField(max_length=64)),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
+                ("last_used_at", models.DateTimeField(blank=True, null=True)),
+                ("revoked_at", models.DateTimeField(blank=True, null=True)),
+                (
+                    "owner",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="api_keys",
+                        to=settings.AUTH_USER_MODEL,
+                    ),
+                ),
             ],
             options={
-                'ordering': ['-created_at'],
+                "ordering": ["-created_at"],
             },
         ),
     ]

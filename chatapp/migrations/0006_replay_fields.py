@@ -5,20 +5,19 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('chatapp', '0005_api'),
+        ("chatapp", "0005_api"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='conversation',
-            name='strategy_options',
+            model_name="conversation",
+            name="strategy_options",
             field=models.JSONField(blank=True, default=dict),
         ),
         migrations.AddField(
-            model_name='turn',
-            name='prompt_token_ids',
+            model_name="turn",
+            name="prompt_token_ids",
             field=django.contrib.postgres.fields.ArrayField(base_field=models.IntegerField(), blank=True, null=True),
         ),
     ]

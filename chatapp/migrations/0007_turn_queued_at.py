@@ -5,15 +5,14 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('chatapp', '0006_replay_fields'),
+        ("chatapp", "0006_replay_fields"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='turn',
-            name='queued_at',
+            model_name="turn",
+            name="queued_at",
             field=models.DateTimeField(default=django.utils.timezone.now),
         ),
     ]

@@ -6,30 +6,35 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('chatapp', '0007_turn_queued_at'),
+        ("chatapp", "0007_turn_queued_at"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='conversation',
-            name='assistant_name',
-            field=models.CharField(default='Assistant', max_length=100),
+            model_name="conversation",
+            name="assistant_name",
+            field=models.CharField(default="Assistant", max_length=100),
         ),
         migrations.AddField(
-            model_name='conversation',
-            name='user_name',
-            field=models.CharField(default='User', max_length=100),
+            model_name="conversation",
+            name="user_name",
+            field=models.CharField(default="User", max_length=100),
         ),
         migrations.AddField(
-            model_name='summary',
-            name='first_message',
-            field=models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.CASCADE, related_name='+', to='chatapp.message'),
+            model_name="summary",
+            name="first_message",
+            field=models.ForeignKey(
+                blank=True,
+                null=True,
+                on_delete=django.db.models.deletion.CASCADE,
+                related_name="+",
+                to="chatapp.message",
+            ),
         ),
         migrations.AlterField(
-            model_name='message',
-            name='created_at',
+            model_name="message",
+            name="created_at",
             field=models.DateTimeField(default=django.utils.timezone.now),
         ),
     ]

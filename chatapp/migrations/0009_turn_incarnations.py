@@ -5,29 +5,37 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('chatapp', '0008_memory_recall'),
+        ("chatapp", "0008_memory_recall"),
     ]
 
     operations = [
         migrations.AlterModelOptions(
-            name='turn',
-            options={'ordering': ['created_at', 'id'], 'permissions': [('unlimited_use', 'Is not held to the fair-use turn limits (replays, load tests)')]},
+            name="turn",
+            options={
+                "ordering": ["created_at", "id"],
+                "permissions": [("unlimited_use", "Is not held to the fair-use turn limits (replays, load tests)")],
+            },
         ),
         migrations.AddField(
-            model_name='turn',
-            name='api_key',
-            field=models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, related_name='turns', to='chatapp.apikey'),
+            model_name="turn",
+            name="api_key",
+            field=models.ForeignKey(
+                blank=True,
+                null=True,
+                on_delete=django.db.models.deletion.SET_NULL,
+                related_name="turns",
+                to="chatapp.apikey",
+            ),
         ),
         migrations.AddField(
-            model_name='turn',
-            name='error_code',
+            model_name="turn",
+            name="error_code",
             field=models.CharField(blank=True, max_length=32),
         ),
         migrations.AddField(
-            model_name='turn',
-            name='node_incarnation',
+            model_name="turn",
+            name="node_incarnation",
             field=models.CharField(blank=True, max_length=32),
         ),
     ]

@@ -2,6 +2,7 @@
 user's message and the queued turn. A refused turn stores nothing."""
 
 import re
+from dataclasses import replace
 
 from django.conf import settings
 from django.db import transaction
@@ -13,24 +14,41 @@ from chatapp.services import fact_save
 from chatapp.turns.lifecycle import turn_create
 from chatapp.turns.recovery import turns_reap
 from chatapp.validation import ContextTooSmall, NodeBusy, NoNodeUp, ReplyInProgress, check_message_text
-from inference.chat_format import ChatMessage
-from inference.config import EngineConfig
+from inference.chat_format import ChatFormat
+from inference.chat_templates import ChatMessage
+from inference.model_files import ModelNotFound, resolve_model
 from inference.tokenizer import chat_format_for
-from router.services import NoHealthyNode, session_node
+from router.services import NoHealthyNode, ServedModel, served_models, session_node
 
 _REMEMBER = re.compile(r"^\s*remember that\s+(?P<fact>.+)", re.IGNORECASE | re.DOTALL)
 
 
-def check_message_fits(text: str) -> None:
-    """Refuse a message that alone cannot fit the context with room for the reply."""
-    config = EngineConfig()
-    fmt = chat_format_for(config.MODEL_PATH)
+def check_message_fits(text: str, *, model: str) -> None:
+    """Refuse a message that alone cannot fit the context of `model`'s nodes with room for the reply,
+    counted with that model's vocabulary and template; refuse a model no node serves now."""
+    served = served_models().get(model)
+    if served is None:
+        raise NoNodeUp(f"No node serves the model {model} right now; try again shortly.")
+    fmt = served_chat_format(served)
     tokens = fmt.count([ChatMessage("user", text)])
-    if tokens + fmt.overhead + config.MAX_REPLY_TOKENS > config.N_CTX:
+    if tokens + fmt.overhead + served.max_reply_tokens > served.n_ctx:
         raise ContextTooSmall(
-            f"The message is {tokens:,} tokens; with room for a reply it does not fit the model's "
-            f"{config.N_CTX:,}-token context. Shorten it or send it in parts."
+            f"The message is {tokens:,} tokens; with room for a reply it does not fit the {model} model's "
+            f"{served.n_ctx:,}-token context. Shorten it or send it in parts."
         )
+
+
+def served_chat_format(served: ServedModel) -> ChatFormat:
+    """The vocabulary and template the nodes of a model use: the packaged model of that name installed here,
+    or the file the nodes registered, when this machine has it too."""
+    try:
+        file = resolve_model(name=served.model)
+    except ModelNotFound:
+        try:
+            file = resolve_model(name=served.model, path=served.model_path)
+        except ModelNotFound as exc:
+            raise NoNodeUp(f"This web process cannot read the vocabulary of the model {served.model}: {exc}") from exc
+    return chat_format_for(replace(file, chat_template=served.chat_template))
 
 
 def reap_unfinished(turns: QuerySet[Turn]) -> None:
@@ -58,7 +76,7 @@ def turn_start(
     the key an API request came with (its own limits apply as well as its owner's).
     """
     text = check_message_text(text)
-    check_message_fits(text)
+    check_message_fits(text, model=conversation.model)
     reap_unfinished(conversation.turns.all())
     with transaction.atomic():
         conversation = Conversation.objects.select_for_update().get(pk=conversation.pk)
@@ -66,7 +84,7 @@ def turn_start(
             raise ReplyInProgress("A reply is still being written; wait for it or stop it first.")
         quotas.check_new_turn(user_id=conversation.owner_id, api_key_id=api_key.pk if api_key else None)
         try:
-            node = session_node(session_key=conversation.session_key, policy=policy)
+            node = session_node(session_key=conversation.session_key, policy=policy, model=conversation.model)
         except NoHealthyNode as exc:
             raise NoNodeUp(str(exc)) from exc
         unfinished = Turn.objects.filter(node=node.name).exclude(status__in=Turn.FINISHED).count()

@@ -120,6 +120,7 @@ def turn_create(
         conversation=conversation,
         user_message=user_message,
         node=node,
+        model=conversation.model,
         strategy=conversation.strategy,
         strategy_options=conversation.strategy_options,
         sampling=sampling,
@@ -143,7 +144,7 @@ def turn_retry(*, turn: Turn) -> None:
         if later.exists():
             raise TurnRejected("Only the conversation's latest reply can be retried.")
         try:
-            node = session_node(session_key=locked.conversation.session_key)
+            node = session_node(session_key=locked.conversation.session_key, model=locked.model)
         except NoHealthyNode as exc:
             raise NoNodeUp(str(exc)) from exc
         _queue(locked, node=node.name)
@@ -175,7 +176,7 @@ def turn_resend(*, turn_id: int, attempt: int, still: Callable[[Turn], bool] = l
         if turn is None or turn.status == Status.FAILED or not still(turn):
             return None
         try:
-            node = session_node(session_key=turn.conversation.session_key)
+            node = session_node(session_key=turn.conversation.session_key, model=turn.model)
         except NoHealthyNode:
             return False
         _queue(turn, node=node.name)
@@ -255,6 +256,7 @@ def turn_finish(*, turn: Turn, generation: "Generation") -> Turn | None:
                     role=Message.Role.ASSISTANT,
                     content=generation.text,
                     token_ids=generation.token_ids,
+                    model=locked.model,
                 )
             cancelled = generation.finish_reason == "cancelled"
             locked.status = Status.CANCELLED if cancelled else Status.DONE

@@ -5,54 +5,68 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
-    dependencies = [
-    ]
+    dependencies = []
 
     operations = [
         migrations.CreateModel(
-            name='AssignmentMove',
+            name="AssignmentMove",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('session_key', models.CharField(db_index=True, max_length=200)),
-                ('from_node', models.CharField(max_length=100)),
-                ('to_node', models.CharField(max_length=100)),
-                ('reason', models.CharField(max_length=200)),
-                ('created_at', models.DateTimeField(auto_now_add=True, db_index=True)),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                ("session_key", models.CharField(db_index=True, max_length=200)),
+                ("from_node", models.CharField(max_length=100)),
+                ("to_node", models.CharField(max_length=100)),
+                ("reason", models.CharField(max_length=200)),
+                ("created_at", models.DateTimeField(auto_now_add=True, db_index=True)),
             ],
             options={
-                'ordering': ['-created_at'],
+                "ordering": ["-created_at"],
             },
         ),
         migrations.CreateModel(
-            name='Node',
+            name="Node",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('name', models.CharField(max_length=100, unique=True)),
-                ('queue', models.CharField(max_length=120)),
-                ('status', models.CharField(choices=[('up', 'Up'), ('draining', 'Draining'), ('down', 'Down')], db_index=True, default='up', max_length=16)),
-                ('capacity', models.PositiveIntegerField(default=1, help_text='Concurrent generations (MAX_CONCURRENT).')),
-                ('sessions', models.IntegerField(default=0)),
-                ('stats', models.JSONField(blank=True, default=dict, help_text="The engine's latest NodeStats.")),
-                ('last_heartbeat', models.DateTimeField(blank=True, null=True)),
-                ('started_at', models.DateTimeField(blank=True, null=True)),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                ("name", models.CharField(max_length=100, unique=True)),
+                ("queue", models.CharField(max_length=120)),
+                (
+                    "status",
+                    models.CharField(
+                        choices=[("up", "Up"), ("draining", "Draining"), ("down", "Down")],
+                        db_index=True,
+                        default="up",
+                        max_length=16,
+                    ),
+                ),
+                (
+                    "capacity",
+                    models.PositiveIntegerField(default=1, help_text="Concurrent generations (MAX_CONCURRENT)."),
+                ),
+                ("sessions", models.IntegerField(default=0)),
+                ("stats", models.JSONField(blank=True, default=dict, help_text="The engine's latest NodeStats.")),
+                ("last_heartbeat", models.DateTimeField(blank=True, null=True)),
+                ("started_at", models.DateTimeField(blank=True, null=True)),
             ],
             options={
-                'ordering': ['name'],
+                "ordering": ["name"],
             },
         ),
         migrations.CreateModel(
-            name='SessionAssignment',
+            name="SessionAssignment",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('session_key', models.CharField(max_length=200, unique=True)),
-                ('reason', models.CharField(max_length=200)),
-                ('assigned_at', models.DateTimeField(auto_now_add=True)),
-                ('moved_at', models.DateTimeField(blank=True, null=True)),
-                ('moves', models.PositiveIntegerField(default=0)),
-                ('node', models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='assignments', to='router.node')),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                ("session_key", models.CharField(max_length=200, unique=True)),
+                ("reason", models.CharField(max_length=200)),
+                ("assigned_at", models.DateTimeField(auto_now_add=True)),
+                ("moved_at", models.DateTimeField(blank=True, null=True)),
+                ("moves", models.PositiveIntegerField(default=0)),
+                (
+                    "node",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.PROTECT, related_name="assignments", to="router.node"
+                    ),
+                ),
             ],
         ),
     ]

@@ -4,20 +4,24 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('router', '0001_initial'),
+        ("router", "0001_initial"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='node',
-            name='incarnation',
+            model_name="node",
+            name="incarnation",
             field=models.CharField(blank=True, max_length=32),
         ),
         migrations.AlterField(
-            model_name='node',
-            name='status',
-            field=models.CharField(choices=[('up', 'Up'), ('draining', 'Draining'), ('down', 'Down'), ('unresponsive', 'Unresponsive')], db_index=True, default='up', max_length=16),
+            model_name="node",
+            name="status",
+            field=models.CharField(
+                choices=[("up", "Up"), ("draining", "Draining"), ("down", "Down"), ("unresponsive", "Unresponsive")],
+                db_index=True,
+                default="up",
+                max_length=16,
+            ),
         ),
     ]

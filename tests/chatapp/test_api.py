@@ -24,7 +24,7 @@ def client(asgi_server, api_key, node) -> openai.OpenAI:
 
 def ask(client: openai.OpenAI, messages: list[Any], **kwargs):
     return client.chat.completions.create(
-        model=settings.CHAT_MODEL_ID, messages=messages, max_tokens=12, temperature=0, **kwargs
+        model=settings.CHAT_DEFAULT_MODEL, messages=messages, max_tokens=12, temperature=0, **kwargs
     )
 
 
@@ -93,9 +93,9 @@ def test_client_errors_come_back_as_openai_errors(client, asgi_server):
         ask(client, [{"role": "user", "content": "Hi"}], logprobs=True)
     with pytest.raises(openai.BadRequestError, match=r"must be a number from 0\.0 to 2\.0"):
         client.chat.completions.create(
-            model=settings.CHAT_MODEL_ID, messages=[{"role": "user", "content": "x"}], temperature=3
+            model=settings.CHAT_DEFAULT_MODEL, messages=[{"role": "user", "content": "x"}], temperature=3
         )
     wrong = openai.OpenAI(base_url=f"{asgi_server}/v1", api_key="sk-chat-not-a-real-key", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         wrong.models.list()
-    assert [m.id for m in client.models.list()] == [settings.CHAT_MODEL_ID]
+    assert [m.id for m in client.models.list()] == [settings.CHAT_DEFAULT_MODEL]

@@ -11,7 +11,7 @@ from chatapp.memory import lexical
 from chatapp.memory.base import MemoryContext, StoredMessage, StoredSummary
 from chatapp.memory.strategies import StablePrefix
 from chatapp.memory.summaries import ROLLUP_TOKENS, SummaryJob, rollup_job, summary_jobs
-from inference.chat_format import GemmaChatFormat
+from inference.chat_format import ChatFormat
 
 START = datetime(2024, 3, 1, 9, 0, tzinfo=UTC)
 TOPICS = [
@@ -24,8 +24,8 @@ TOPICS = [
 
 
 @pytest.fixture(scope="module")
-def fmt(tokenizer) -> GemmaChatFormat:
-    return GemmaChatFormat(tokenizer)
+def fmt(chat_format: ChatFormat) -> ChatFormat:
+    return chat_format
 
 
 def chat_history(exchanges: int, facts: dict[int, str]) -> list[StoredMessage]:

@@ -17,7 +17,7 @@ from chatapp.memory.base import (
 )
 from chatapp.memory.registry import strategy_get
 from chatapp.memory.strategies import Full, StablePrefix, TokenBudget, Window
-from inference.chat_format import GemmaChatFormat
+from inference.chat_format import ChatFormat
 
 Role = Literal["user", "assistant"]
 
@@ -25,11 +25,11 @@ WORDS = "the sea was calm and my sister lives in Nairobi where we walked by a ri
 
 
 @pytest.fixture(scope="module")
-def fmt(tokenizer) -> GemmaChatFormat:
-    return GemmaChatFormat(tokenizer)
+def fmt(chat_format: ChatFormat) -> ChatFormat:
+    return chat_format
 
 
-def history(fmt: GemmaChatFormat, exchanges: int, words: int = 12) -> list[StoredMessage]:
+def history(fmt: ChatFormat, exchanges: int, words: int = 12) -> list[StoredMessage]:
     messages = []
     for i in range(2 * exchanges):
         text = " ".join(WORDS[(i + k) % len(WORDS)] for k in range(words)) + f" ({i})"
@@ -44,7 +44,7 @@ def context(fmt, messages, *, budget=3000, text="What should we do next?", **kwa
     return MemoryContext(history=messages, new_message=new, budget=budget, count_tokens=fmt.count, **kwargs)
 
 
-def rendered_tokens(fmt: GemmaChatFormat, prompt) -> list[int]:
+def rendered_tokens(fmt: ChatFormat, prompt) -> list[int]:
     return fmt.render(prompt.messages())
 
 
@@ -177,7 +177,7 @@ def test_every_strategy_fits_is_deterministic_keeps_order_and_honours_flags(fmt,
 # Prefix stability over a long conversation ------------------------------------------
 
 
-def count_prefix_breaks(fmt: GemmaChatFormat, strategy: MemoryStrategy, exchanges: int) -> tuple[int, int]:
+def count_prefix_breaks(fmt: ChatFormat, strategy: MemoryStrategy, exchanges: int) -> tuple[int, int]:
     """Replay a conversation turn by turn; a break is a prompt that does not extend the previous prompt + reply."""
     messages = history(fmt, exchanges, words=20)
     breaks, previous, first_id = 0, None, None

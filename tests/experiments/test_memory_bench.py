@@ -21,7 +21,8 @@ from chatapp.experiments.sources import SourceError
 from chatapp.memory.base import AssembledPrompt, Segment, StoredMessage
 from chatapp.models import Conversation
 from chatapp.validation import TurnRejected
-from inference.chat_format import ChatMessage, GemmaChatFormat
+from inference.chat_format import ChatFormat
+from inference.chat_templates import ChatMessage
 from inference.session_cache import common_prefix
 from tests.experiments.locomo_sample import locomo_record
 
@@ -34,8 +35,8 @@ def locomo_file(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def fmt(tokenizer) -> GemmaChatFormat:
-    return GemmaChatFormat(tokenizer)
+def fmt(chat_format: ChatFormat) -> ChatFormat:
+    return chat_format
 
 
 # The loader -----------------------------------------------------------------------

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from inference.batch_engine import BatchEngine
-from inference.chat_format import ChatMessage
+from inference.chat_templates import ChatMessage
 from inference.engine import Generation, PromptTooLong, Sampling
 
 GREEDY = Sampling(max_tokens=16, temperature=0, top_p=1, repeat_penalty=1.1)

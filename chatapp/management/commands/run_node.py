@@ -1,16 +1,18 @@
 import time
 
 from django.conf import settings
-from django.core.management.base import BaseCommand
+from django.core.management.base import BaseCommand, CommandError
 
 from chatapp.celery import app
 from chatapp.health import require_services
 from chatapp.node_heartbeat import Heartbeat
 from chatapp.node_identity import incarnation
 from chatapp.turns.recovery import turns_hand_off, turns_take_back
+from inference.chat_templates import UnsupportedTemplate
 from inference.config import EngineConfig
 from inference.engine import get_engine
-from router.services import node_start, node_stop, queue_for_node
+from inference.model_files import DEFAULT_MODEL, PACKAGED, ModelNotFound
+from router.services import ServedModel, node_start, node_stop, queue_for_node
 
 
 class Command(BaseCommand):
@@ -24,17 +26,37 @@ class Command(BaseCommand):
             default=EngineConfig().MAX_CONCURRENT,
             help="Worker threads; each waits on one generation (default: MAX_CONCURRENT).",
         )
+        parser.add_argument(
+            "--model",
+            default=EngineConfig().MODEL,
+            help=f"A packaged model ({', '.join(PACKAGED)}; default {DEFAULT_MODEL}), or the name MODEL_PATH's "
+            "file is served under (default: MODEL).",
+        )
         parser.add_argument("--loglevel", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
-    def handle(self, *, name: str, concurrency: int, loglevel: str, **options):
+    def handle(self, *, name: str, concurrency: int, model: str, loglevel: str, **options):
         require_services()
         started = time.perf_counter()
-        engine = get_engine()
-        self.stdout.write(f"node {name}: {engine.name} engine loaded in {time.perf_counter() - started:.1f}s")
-        node_start(name=name, capacity=concurrency, incarnation=incarnation())
+        config = EngineConfig(MODEL=model)
+        try:
+            engine = get_engine(config)
+        except (ModelNotFound, UnsupportedTemplate) as exc:
+            raise CommandError(f"node {name}: {exc}") from exc
+        served = ServedModel(
+            model=engine.model,
+            model_path=str(config.model_file().path),
+            chat_template=engine.chat_format.template,
+            n_ctx=engine.n_ctx,
+            max_reply_tokens=config.MAX_REPLY_TOKENS,
+        )
+        self.stdout.write(
+            f"node {name}: {engine.name} engine loaded {engine.model} ({served.chat_template} template, "
+            f"{engine.n_ctx}-token context) in {time.perf_counter() - started:.1f}s"
+        )
+        node_start(name=name, capacity=concurrency, incarnation=incarnation(), served=served)
         if taken := turns_take_back(node=name):
             self.stdout.write(f"node {name}: took back {taken} turns an earlier process left unfinished")
-        heartbeat = Heartbeat(name=name, incarnation=incarnation(), capacity=concurrency, engine=engine)
+        heartbeat = Heartbeat(name=name, incarnation=incarnation(), capacity=concurrency, engine=engine, served=served)
         heartbeat.start()
         try:
             app.worker_main(

@@ -61,7 +61,7 @@ class Command(BaseCommand):
         if not budgets or min(budgets) < 64:
             raise CommandError("Give at least one budget of 64 tokens or more, as in --budgets 2048,3072.")
         config = EngineConfig()
-        fmt = chat_format_for(config.MODEL_PATH)
+        fmt = chat_format_for(config.model_file())
         if options["answer"] and budgets[0] + options["answer_tokens"] + fmt.overhead > config.N_CTX:
             raise CommandError(f"--answer needs the first budget plus the answer to fit N_CTX={config.N_CTX}.")
         owner = replay_user()
