@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from django.conf import settings
 from django.db.models import Count, F, Q
 
 from chatapp.api.sessions import session_id_key
@@ -44,7 +45,7 @@ def stream_one(url: str, key: str, session: str, messages: list[dict], max_token
     """POST a streaming chat completion; (status, {"text", "ttft_ms", "retry_after", "error"})."""
     parts = urlsplit(url)
     connection = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port, timeout=600)
-    body = {"model": "gemma-3-270m", "stream": True, "max_tokens": max_tokens, "messages": messages}
+    body = {"model": settings.CHAT_DEFAULT_MODEL, "stream": True, "max_tokens": max_tokens, "messages": messages}
     headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json", "X-Session-ID": session}
     started = time.perf_counter()
     try:

@@ -94,6 +94,7 @@ class BatchEngine:
             temperature=self.config.TEMPERATURE,
             top_p=self.config.TOP_P,
             repeat_penalty=self.config.REPEAT_PENALTY,
+            ignore_eos=self.config.IGNORE_EOS,
         )
 
     def submit(
@@ -286,7 +287,7 @@ class BatchEngine:
         assert request.text is not None
         if not request.first_token_at:
             request.first_token_at = time.perf_counter()
-        if token in self.chat_format.stop_token_ids:
+        if token in self.chat_format.stop_token_ids and not request.sampling.ignore_eos:
             self._finish(request, "stop")
             return
         request.generated.append(token)

@@ -85,8 +85,14 @@ class ChatFormat:
     @property
     def overhead(self) -> int:
         """The most tokens a prompt has besides its messages: BOS, the template's default system message (if
-        it has one, and only where no system message leads) and the opening of the model's turn."""
+        it has one) and the opening of the model's turn. Strategies budget with it."""
         return len(self.render([]))
+
+    def overhead_of(self, messages: Sequence[ChatMessage]) -> int:
+        """The template's own tokens in the prompt of these messages: `overhead`, less the default system
+        message where a system message of the conversation leads."""
+        leads = bool(messages) and messages[0].role == "system" and bool(self.spec.default_system)
+        return self.overhead - (self.count([ChatMessage("system", self.spec.default_system)]) if leads else 0)
 
 
 def chat_format_for_model(tokenizer: Tokenizer, *, template: str, forced: str = "") -> ChatFormat:

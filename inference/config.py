@@ -55,6 +55,8 @@ class EngineConfig:
     N_GPU_LAYERS: int = field(default_factory=lambda: _env_int("N_GPU_LAYERS", 0))
     # Longest reply in tokens.
     MAX_REPLY_TOKENS: int = field(default_factory=lambda: _env_int("MAX_REPLY_TOKENS", 256))
+    # Replies always run to their max_tokens (Sampling.ignore_eos), for benchmarks and long-reply tests.
+    IGNORE_EOS: bool = field(default_factory=lambda: _env_bool("IGNORE_EOS", False))
     # Sampling defaults; a request may override them.
     TEMPERATURE: float = field(default_factory=lambda: _env_float("TEMPERATURE", 0.7))
     TOP_P: float = field(default_factory=lambda: _env_float("TOP_P", 0.95))

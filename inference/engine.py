@@ -31,6 +31,9 @@ class Sampling:
     stop: tuple[str, ...] = ()
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # Write on past the template's end-of-turn tokens, to max_tokens (vLLM's and llama-server's
+    # `ignore_eos`): fixed-length replies for benchmarks and for tests that need a long reply.
+    ignore_eos: bool = False
 
 
 @dataclass(frozen=True)

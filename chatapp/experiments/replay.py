@@ -29,6 +29,7 @@ from chatapp.models import Turn
 from chatapp.turns import admission, lifecycle
 from chatapp.validation import NodeBusy, TurnRejected
 from inference.config import EngineConfig
+from inference.model_files import resolve_model
 from inference.session_cache import common_prefix
 from inference.tokenizer import chat_format_for
 
@@ -127,10 +128,11 @@ def replay_live(
     concurrency: int,
     max_tokens: int,
     seed: int,
+    model: str,
     progress: Progress = lambda: None,
 ) -> None:
     sampling = {"max_tokens": max_tokens, "temperature": 0.0, "seed": seed}
-    chat_format_for(EngineConfig().model_file())  # load the vocabulary before the clock starts
+    chat_format_for(resolve_model(name=model))  # load the vocabulary before the clock starts
 
     def one_session(session_index: int, session: ReplaySession) -> None:
         close_old_connections()
@@ -139,6 +141,7 @@ def replay_live(
             title=f"replay {run.experiment_id}/{run.pk}: {session.key}",
             strategy=run.strategy,
             strategy_options=run.strategy_options,
+            model=model,
         )
         previous: list[int] | None = None  # the previous prompt and reply, as the node's cache holds them
         for index, text in enumerate(session.user_messages):

@@ -67,6 +67,8 @@ def run_summary(run: Run) -> dict:
         "computed_tokens": prompt - cached,
         "reusable_tokens": sum(t.reusable_tokens for t in done),
         "completion_tokens": sum(t.completion_tokens for t in done),
+        # Replies that ended their turn before the reply cap (a chat model answers and stops).
+        "ended_turn_share": _ratio(sum(t.completion_tokens < _cap(run) for t in done), len(done)),
         "prompt_tokens_per_turn": _ratio(prompt, len(done)),
         "computed_tokens_per_turn": _ratio(prompt - cached, len(done)),
         "cache_hit_ratio": _ratio(cached, prompt),
@@ -80,6 +82,10 @@ def run_summary(run: Run) -> dict:
         "recall": _ratio(sum(bool(t.recalled) for t in probes), len(probes)),
         "probes": len(probes),
     }
+
+
+def _cap(run: Run) -> int:
+    return run.experiment.params.get("max_tokens", 0)
 
 
 def recall_by_distance(run: Run) -> dict[int, float]:
@@ -124,6 +130,7 @@ TABLE_COLUMNS = [
     ("prompt_tokens_per_turn", "prompt/turn", "{:.0f}"),
     ("computed_tokens_per_turn", "computed/turn", "{:.0f}"),
     ("cache_hit_ratio", "hit ratio", "{:.2f}"),
+    ("ended_turn_share", "ended", "{:.2f}"),
     ("prefix_breaks", "breaks", "{}"),
     ("ttft_ms_p50", "TTFT p50 ms", "{:.0f}"),
     ("ttft_ms_p99", "TTFT p99 ms", "{:.0f}"),

@@ -28,13 +28,13 @@ def check_message_fits(text: str, *, model: str) -> None:
     counted with that model's vocabulary and template; refuse a model no node serves now."""
     served = served_models().get(model)
     if served is None:
-        raise NoNodeUp(f"No node serves the model {model} right now; try again shortly.")
+        raise NoNodeUp(f"No inference node serves the model {model}; try again shortly.")
     fmt = served_chat_format(served)
     tokens = fmt.count([ChatMessage("user", text)])
     if tokens + fmt.overhead + served.max_reply_tokens > served.n_ctx:
         raise ContextTooSmall(
-            f"The message is {tokens:,} tokens; with room for a reply it does not fit the {model} model's "
-            f"{served.n_ctx:,}-token context. Shorten it or send it in parts."
+            f"The message is {tokens:,} tokens; with room for a reply it does not fit the model's "
+            f"{served.n_ctx:,}-token context ({model}). Shorten it or send it in parts."
         )
 
 
@@ -76,8 +76,8 @@ def turn_start(
     the key an API request came with (its own limits apply as well as its owner's).
     """
     text = check_message_text(text)
-    check_message_fits(text, model=conversation.model)
     reap_unfinished(conversation.turns.all())
+    check_message_fits(text, model=conversation.model)
     with transaction.atomic():
         conversation = Conversation.objects.select_for_update().get(pk=conversation.pk)
         if conversation.turns.exclude(status__in=Turn.FINISHED).exists():

@@ -1,13 +1,11 @@
 """The chat page in a real browser (Debian's Chromium, headless, driven by Playwright) against the live
 ASGI server and a real node: log in, stream a reply, inspect it, stop one, reload mid-stream."""
 
-import os
-import shutil
 import uuid
 from collections.abc import Iterator
 
 import pytest
-from playwright.sync_api import Browser, Page, expect, sync_playwright
+from playwright.sync_api import Browser, Page, expect
 
 from chatapp.models import Message, Turn
 from router.models import Node
@@ -15,26 +13,9 @@ from tests.conftest import OUTPUT_DIR, start_node, stop_node
 from tests.factories import UserFactory
 
 pytestmark = pytest.mark.django_db(transaction=True)
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 SHOTS = OUTPUT_DIR / "screenshots"
 # Long, sampled replies so that there is time to press Stop and to reload mid-reply.
-LONG_REPLIES = {"MAX_REPLY_TOKENS": "200", "TEMPERATURE": "0.9", "REPEAT_PENALTY": "1.3"}
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    # Playwright's sync API keeps an event loop running on this thread; the test's own ORM calls are
-    # plain sync calls between browser steps (the remedy Playwright and pytest-django document).
-    os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = "true"
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(
-            executable_path=CHROMIUM,
-            headless=True,
-            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update"],
-        )
-        yield browser
-        browser.close()
-    del os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"]
+LONG_REPLIES = {"MAX_REPLY_TOKENS": "200", "TEMPERATURE": "0.9", "REPEAT_PENALTY": "1.3", "IGNORE_EOS": "on"}
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ from chatapp.models import ApiKey, Message, Turn
 from chatapp.turns import lifecycle
 
 URL = "/v1/chat/completions"
+MODEL = "smollm2-135m-instruct"  # the default model, which the idle node serves
 
 
 @pytest.fixture
@@ -33,32 +34,36 @@ def error(response) -> dict:
     [
         (b"{not json", None, "could not parse the JSON"),
         ([1, 2], None, "must be a JSON object"),
-        ({"model": "gemma-3-270m"}, "messages", "non-empty array"),
-        ({"model": "gemma-3-270m", "messages": []}, "messages", "non-empty array"),
+        ({"model": MODEL}, "messages", "non-empty array"),
+        ({"model": MODEL, "messages": []}, "messages", "non-empty array"),
         (
-            {"model": "gemma-3-270m", "messages": [{"role": "tool", "content": "x"}]},
+            {"model": MODEL, "messages": [{"role": "tool", "content": "x"}]},
             "messages[0].role",
             "must be one of",
         ),
-        ({"model": "gemma-3-270m", "messages": [{"role": "assistant", "content": "x"}]}, "messages", "last message"),
         (
-            {"model": "gemma-3-270m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            {"model": MODEL, "messages": [{"role": "assistant", "content": "x"}]},
+            "messages",
+            "last message",
+        ),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
             "messages[0].content",
             "text parts",
         ),
-        ({"model": "gemma-3-270m", "messages": [{"role": "user", "content": "x"}], "n": 2}, "n", "n=1"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 2}, "n", "n=1"),
         (
-            {"model": "gemma-3-270m", "messages": [{"role": "user", "content": "x"}], "stop": ["a"] * 5},
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stop": ["a"] * 5},
             "stop",
             "up to 4",
         ),
         (
-            {"model": "gemma-3-270m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0},
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 0},
             "max_tokens",
             "positive",
         ),
         (
-            {"model": "gemma-3-270m", "messages": [{"role": "user", "content": "x"}], "tools": []},
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": []},
             "tools",
             "Unsupported",
         ),
@@ -72,7 +77,7 @@ def test_malformed_requests_are_400_saying_what_is_wrong(client, auth, body, par
 
 
 def test_missing_wrong_and_revoked_keys_are_401(client, user):
-    body = {"model": "gemma-3-270m", "messages": [{"role": "user", "content": "hi"}]}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
     assert post(client, body).status_code == 401
     assert post(client, body, HTTP_AUTHORIZATION="Bearer sk-chat-0000000000000000").status_code == 401
     row, key = api_key_create(owner=user, name="old")
@@ -85,13 +90,13 @@ def test_missing_wrong_and_revoked_keys_are_401(client, user):
 def test_a_prompt_longer_than_the_context_is_400_context_length_exceeded(client, auth, idle_node, settings):
     settings.CHAT_MAX_MESSAGE_CHARS = 100_000
     text = " ".join(f"w{i}" for i in range(5000))
-    response = post(client, {"model": "gemma-3-270m", "messages": [{"role": "user", "content": text}]}, **auth)
+    response = post(client, {"model": MODEL, "messages": [{"role": "user", "content": text}]}, **auth)
     assert response.status_code == 400 and error(response)["code"] == "context_length_exceeded"
 
 
 def test_a_full_queue_is_429_with_retry_after(client, auth, idle_node, settings):
     settings.CHAT_QUEUE_PER_SLOT = 0
-    response = post(client, {"model": "gemma-3-270m", "messages": [{"role": "user", "content": "hi"}]}, **auth)
+    response = post(client, {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}, **auth)
     assert response.status_code == 429 and response["Retry-After"] == "2"
     assert error(response)["type"] == "rate_limit_error"
     assert not Message.objects.filter(role="user", content="hi", conversation__turns__isnull=False).exists()
@@ -129,7 +134,7 @@ def stored() -> list[tuple[str, str]]:
     ],
 )
 def test_every_roles_content_is_checked_before_anything_is_stored(client, auth, idle_node, message, param, code):
-    body = {"model": "gemma-3-270m", "messages": [message, *HISTORY, {"role": "user", "content": "hi"}]}
+    body = {"model": MODEL, "messages": [message, *HISTORY, {"role": "user", "content": "hi"}]}
     response = post(client, body, **auth)
     assert response.status_code == 400 and (error(response)["param"], error(response)["code"]) == (param, code)
     assert stored() == []
@@ -137,13 +142,13 @@ def test_every_roles_content_is_checked_before_anything_is_stored(client, auth, 
 
 def test_control_characters_in_a_resent_assistant_message_are_refused(client, auth, idle_node):
     history = [HISTORY[0], {"role": "assistant", "content": "Miso\x00"}, {"role": "user", "content": "hi"}]
-    response = post(client, {"model": "gemma-3-270m", "messages": history}, **auth)
+    response = post(client, {"model": MODEL, "messages": history}, **auth)
     assert response.status_code == 400 and error(response)["param"] == "messages[1].content"
     assert stored() == []
 
 
 def test_an_empty_user_message_after_history_is_400_and_stores_nothing(client, auth, idle_node):
-    response = post(client, {"model": "gemma-3-270m", "messages": [*HISTORY, {"role": "user", "content": " "}]}, **auth)
+    response = post(client, {"model": MODEL, "messages": [*HISTORY, {"role": "user", "content": " "}]}, **auth)
     assert response.status_code == 400 and error(response)["code"] == "invalid_message"
     assert stored() == []
 
@@ -152,7 +157,7 @@ def test_an_empty_user_message_after_history_is_400_and_stores_nothing(client, a
 def test_a_refused_request_keeps_what_was_stored_before_and_adds_nothing(
     client, auth, user, idle_node, settings, refusal
 ):
-    first = {"model": "gemma-3-270m", "stream": True, "messages": [{"role": "user", "content": "first"}]}
+    first = {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "first"}]}
     assert post(client, first, **auth, HTTP_X_SESSION_ID="s1").status_code == 200  # queued; the idle node never runs it
     before = stored()
     assert before == [("user", "first")]
@@ -166,7 +171,7 @@ def test_a_refused_request_keeps_what_was_stored_before_and_adds_nothing(
     # A new session (a new conversation and its resent history), or the first one's next message (its reply).
     session = "s1" if refusal == "in_progress" else "s2"
     earlier = [{"role": "user", "content": "first"}, HISTORY[1]] if refusal == "in_progress" else HISTORY
-    body = {"model": "gemma-3-270m", "messages": [*earlier, {"role": "user", "content": "second"}]}
+    body = {"model": MODEL, "messages": [*earlier, {"role": "user", "content": "second"}]}
     response = post(client, body, **auth, HTTP_X_SESSION_ID=session)
     expected = {"busy": 429, "no_node": 503, "in_progress": 409, "quota": 429}[refusal]
     assert response.status_code == expected, response.content
@@ -176,7 +181,7 @@ def test_a_refused_request_keeps_what_was_stored_before_and_adds_nothing(
 
 
 def test_max_tokens_over_the_servers_cap_is_a_clear_400(client, auth, idle_node):
-    body = {"model": "gemma-3-270m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 600}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 600}
     response = post(client, body, **auth)
     assert response.status_code == 400
     assert error(response)["code"] == "max_tokens_too_large" and "at most 256" in error(response)["message"]
@@ -186,7 +191,7 @@ def test_max_tokens_over_the_servers_cap_is_a_clear_400(client, auth, idle_node)
 def test_each_api_key_has_limits_of_its_own_within_its_owners(client, user, idle_node, settings):
     settings.CHAT_KEY_MAX_RUNNING_TURNS, settings.CHAT_USER_MAX_RUNNING_TURNS = 1, 2
     script, laptop = (f"Bearer {api_key_create(owner=user, name=name)[1]}" for name in ("script", "laptop"))
-    body = {"model": "gemma-3-270m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    body = {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
     assert post(client, body, HTTP_AUTHORIZATION=script, HTTP_X_SESSION_ID="a").status_code == 200
     refused = post(client, body, HTTP_AUTHORIZATION=script, HTTP_X_SESSION_ID="b")
     assert refused.status_code == 429 and "This key has 1 replies" in error(refused)["message"]
@@ -197,7 +202,7 @@ def test_each_api_key_has_limits_of_its_own_within_its_owners(client, user, idle
 
 
 def test_the_same_request_sent_again_is_answered_by_its_turn_not_stored_twice(client, auth, idle_node):
-    body = {"model": "gemma-3-270m", "stream": True, "messages": [{"role": "user", "content": "Hello?"}]}
+    body = {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "Hello?"}]}
     assert post(client, body, **auth, HTTP_X_SESSION_ID="again").status_code == 200
     turn = Turn.objects.get()
     assert lifecycle.turn_fail(turn_id=turn.pk, attempt=0, error="the node fell over")

@@ -16,7 +16,7 @@ from tests.factories import ConversationFactory
 from tests.helpers import wait_for_turn, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
-LONG_REPLIES = {"MAX_REPLY_TOKENS": "300", "TEMPERATURE": "0.8"}
+LONG_REPLIES = {"MAX_REPLY_TOKENS": "300", "TEMPERATURE": "0.8", "IGNORE_EOS": "on"}
 
 
 @pytest.fixture

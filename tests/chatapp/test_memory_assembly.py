@@ -48,7 +48,7 @@ def test_summaries_are_written_after_the_turn_in_chunks_that_fit_then_used_by_th
     assert turn_record_prompt(turn=turn, fields=prompt_record(turn, prompt, engine.chat_format.display))
     turn.refresh_from_db()
     assert turn.strategy_options == {"high": 200, "low": 80, "summarize": True}
-    assert "<start_of_turn>user" in turn.prompt_text and len(turn.prompt_hash) == 32
+    assert engine.chat_format.spec.open["user"] in turn.prompt_text and len(turn.prompt_hash) == 32
 
     written = turn_summarize(turn=turn, engine=engine)
 
@@ -63,7 +63,7 @@ def test_summaries_are_written_after_the_turn_in_chunks_that_fit_then_used_by_th
     kinds = [s.kind for s in again.assembled.segments]
     assert kinds.index("summary") < kinds.index("verbatim")
     assert set(again.assembled.summarized_ids) == set(prompt.assembled.dropped_ids)
-    assert len(again.tokens) == again.assembled.tokens + engine.chat_format.overhead
+    assert len(again.tokens) == again.assembled.tokens + engine.chat_format.overhead_of(again.assembled.messages())
     assert turn_summarize(turn=turn, engine=engine) == written  # nothing new to fold in
     assert Summary.objects.filter(conversation=turn.conversation).count() == len(rows)
 
@@ -75,4 +75,4 @@ def test_every_configured_strategy_assembles_a_stored_conversation(db, engine, a
     turn = _conversation_with_turn(alias, exchanges=4)
     prompt = turn_prompt(turn=turn, engine=engine, sampling=SHORT)
     assert prompt.assembled.kept_ids[-1] == turn.user_message_id
-    assert len(prompt.tokens) == prompt.assembled.tokens + engine.chat_format.overhead
+    assert len(prompt.tokens) == prompt.assembled.tokens + engine.chat_format.overhead_of(prompt.assembled.messages())

@@ -45,6 +45,6 @@ def test_turn_records_router_node_and_strategy(db, idle_node):
 
 def test_no_node_up_refuses_the_message_and_stores_nothing(db):
     Node.objects.update(status=Node.Status.DOWN)
-    with pytest.raises(TurnRejected, match="No inference node is up"):
+    with pytest.raises(TurnRejected, match="No inference node serves the model"):
         admission.turn_start(conversation=ConversationFactory.create(), text="hello?")
     assert not Message.objects.exists()

@@ -15,7 +15,7 @@ from tests.helpers import wait_for_turn
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-def test_a_turn_runs_on_the_node_and_the_next_prompt_contains_it(node):
+def test_a_turn_runs_on_the_node_and_the_next_prompt_contains_it(node, chat_format):
     conversation = ConversationFactory.create()
 
     first = wait_for_turn(admission.turn_start(conversation=conversation, text="Hello! What is your favourite fruit?"))
@@ -30,7 +30,7 @@ def test_a_turn_runs_on_the_node_and_the_next_prompt_contains_it(node):
     # The turn records what its strategy resent, and it is exactly what the node prefilled or reused.
     assert first.strategy == "stable_prefix" and first.strategy_options
     assert first.trace["kept"] == [first.user_message_id] and first.trace["dropped"] == []
-    assert first.trace["tokens"] + 4 == first.prompt_tokens  # + <bos> and the model turn's opening
+    assert first.trace["tokens"] + chat_format.overhead == first.prompt_tokens  # + the template's own tokens
     assert len(first.prompt_hash) == 32
     events = streams.read_all(first.stream_name)
     assert [e["type"] for e in (events[0], events[-1])] == ["start", "done"]

@@ -14,7 +14,8 @@ from tests.conftest import free_port
 
 # Greedy decoding keeps this prompt going to the token limit: a reply long enough to break things under.
 LONG_PROMPT = "Count from 1 to 200, separated by commas."
-LONG_REPLY = {"max_tokens": 200, "temperature": 0}
+# An instruct model answers in a sentence: these replies write on to max_tokens.
+LONG_REPLY = {"max_tokens": 200, "temperature": 0, "ignore_eos": True}
 
 
 class RedisServer:

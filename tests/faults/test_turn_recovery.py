@@ -29,7 +29,7 @@ from tests.faults.helpers import LONG_PROMPT, LONG_REPLY
 from tests.helpers import wait_for_turn, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
-LONG_REPLIES = {"MAX_REPLY_TOKENS": "300"}
+LONG_REPLIES = {"MAX_REPLY_TOKENS": "300", "IGNORE_EOS": "on"}
 
 
 def only_these_nodes(*names: str) -> None:
@@ -56,7 +56,7 @@ class ApiStream:
         self.errors: list[dict] = []
         self.status: int | None = None
         self.done = False
-        body = {"model": "gemma-3-270m", "stream": True, "messages": messages, **params}
+        body = {"model": "smollm2-135m-instruct", "stream": True, "messages": messages, **params}
         headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json", "X-Session-ID": session}
         self._thread = threading.Thread(target=self._read, args=(url, body, headers), daemon=True)
         self._thread.start()
@@ -87,7 +87,7 @@ class ApiStream:
 def post(url: str, key: str, messages: list[dict], *, session: str, **params) -> tuple[int, dict, dict]:
     parts = urlsplit(url)
     connection = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port, timeout=240)
-    body = {"model": "gemma-3-270m", "messages": messages, **params}
+    body = {"model": "smollm2-135m-instruct", "messages": messages, **params}
     headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json", "X-Session-ID": session}
     connection.request("POST", "/v1/chat/completions", body=json.dumps(body), headers=headers)
     response = connection.getresponse()

@@ -37,6 +37,9 @@ class Command(BaseCommand):
         parser.add_argument("--turns", type=int, default=6, help="User turns per session (probes keep all theirs).")
         parser.add_argument("--concurrency", type=int, default=4, help="Sessions in flight at once (live runs).")
         parser.add_argument("--max-tokens", type=int, default=48, help="Longest reply, in tokens.")
+        parser.add_argument(
+            "--model", default="", help="The model that answers (live runs; default: CHAT_DEFAULT_MODEL)."
+        )
         parser.add_argument("--seed", type=int, default=0, help="Chooses the dataset's sessions; seeds sampling.")
         parser.add_argument("--name", default="", help="The experiment's name (default: describes the options).")
         parser.add_argument(
@@ -57,7 +60,11 @@ class Command(BaseCommand):
             )
         if not options["dry_run"] and not healthy_nodes():
             raise CommandError("No inference node is up: start one (`python manage.py run_node`, or `make run`).")
+        model = options["model"] or settings.CHAT_DEFAULT_MODEL
+        if not options["dry_run"] and not healthy_nodes(model=model):
+            raise CommandError(f"No inference node serves {model}: start one (`run_node --model {model}`).")
         params = {k: options[k] for k in ("sessions", "turns", "concurrency", "max_tokens", "seed", "policy")}
+        params["model"] = model
         experiment = Experiment.objects.create(
             name=options["name"] or f"{options['source']} x{len(sessions)}: {options['strategies']}",
             source=options["source"],
@@ -86,6 +93,7 @@ class Command(BaseCommand):
                     concurrency=options["concurrency"],
                     max_tokens=options["max_tokens"],
                     seed=options["seed"],
+                    model=model,
                     progress=progress.tick,
                 )
             run.summary = report.run_summary(run)

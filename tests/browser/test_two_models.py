@@ -1,0 +1,142 @@
+"""A cluster serving two models: one real node per model, sessions sticky among their model's nodes,
+`/v1/models` listing what is served, and a conversation of each model streaming in Chromium."""
+
+import uuid
+from collections.abc import Iterator
+
+import openai
+import pytest
+from playwright.sync_api import Browser, expect
+
+from chatapp.api.keys import api_key_create
+from chatapp.models import Conversation, Message, Turn
+from chatapp.turns import admission
+from router.models import AssignmentMove, Node, SessionAssignment
+from router.services import healthy_nodes
+from tests.conftest import start_node, stop_node
+from tests.factories import ConversationFactory, UserFactory
+from tests.helpers import wait_for_turn, wait_until
+
+pytestmark = pytest.mark.django_db(transaction=True)
+SMOL, GEMMA = "smollm2-135m-instruct", "gemma-3-270m"
+
+
+@pytest.fixture(scope="module")
+def two_models(test_database) -> Iterator[dict[str, str]]:
+    """model -> node name: one node of each packaged model, one thread each as in the Procfile."""
+    names = {SMOL: f"smol-{uuid.uuid4().hex[:6]}", GEMMA: f"gemma-{uuid.uuid4().hex[:6]}"}
+    processes = [start_node(name, test_database, MODEL=model, N_THREADS="1") for model, name in names.items()]
+    yield names
+    for process in processes:
+        stop_node(process)
+
+
+@pytest.fixture
+def nodes(two_models) -> dict[str, str]:
+    Node.objects.exclude(name__in=two_models.values()).update(status=Node.Status.DOWN)
+    wait_until(lambda: {n.name for n in healthy_nodes()} == set(two_models.values()), 15, "both nodes up")
+    return two_models
+
+
+@pytest.fixture
+def client(asgi_server, user) -> openai.OpenAI:
+    key = api_key_create(owner=user, name="models")[1]
+    return openai.OpenAI(base_url=f"{asgi_server}/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def test_each_node_registers_its_model_template_and_limits(nodes):
+    smol, gemma = Node.objects.get(name=nodes[SMOL]), Node.objects.get(name=nodes[GEMMA])
+    assert (smol.model, smol.chat_template, gemma.model, gemma.chat_template) == (SMOL, "chatml", GEMMA, "gemma")
+    assert smol.n_ctx == gemma.n_ctx == 4096 and smol.max_reply_tokens == 24
+
+
+def test_v1_models_lists_the_models_with_a_live_node(nodes, client):
+    listed = {m.id: m for m in client.models.list()}
+    assert set(listed) == {SMOL, GEMMA}
+    assert listed[SMOL].max_model_len == 4096  # type: ignore[attr-defined]
+
+
+def test_turns_go_to_their_models_node_and_stay_there(nodes):
+    conversations = {model: ConversationFactory.create(model=model) for model in (SMOL, GEMMA)}
+    for _ in range(2):
+        for model, conversation in conversations.items():
+            turn = wait_for_turn(admission.turn_start(conversation=conversation, text="Say hello."))
+            assert turn.status == Turn.Status.DONE, turn.error
+            assert (turn.node, turn.model, turn.assistant_message.model) == (nodes[model], model, model)
+    for model, conversation in conversations.items():
+        second = conversation.turns.order_by("id").last()
+        assert second.cached_tokens > 0  # the follow-up found its prefix on its model's node
+        assert SessionAssignment.objects.get(session_key=conversation.session_key).node.name == nodes[model]
+
+
+def test_switching_a_conversations_model_moves_it_and_retokenizes_the_replies(nodes):
+    conversation = ConversationFactory.create(model=SMOL)
+    first = wait_for_turn(admission.turn_start(conversation=conversation, text="Name a fruit."))
+    assert first.status == Turn.Status.DONE, first.error
+    conversation.model = GEMMA
+    conversation.save(update_fields=["model"])
+    second = wait_for_turn(admission.turn_start(conversation=conversation, text="And a vegetable?"))
+    assert second.status == Turn.Status.DONE, second.error
+    assert second.node == nodes[GEMMA]
+    move = AssignmentMove.objects.get(session_key=conversation.session_key)
+    assert (move.to_node, move.reason) == (nodes[GEMMA], "model changed")
+    # SmolLM2's reply ids mean nothing to Gemma: the prompt holds its text in Gemma's tokens instead.
+    reply = first.assistant_message
+    assert reply is not None and reply.model == SMOL
+    assert not set(map(tuple, [reply.token_ids])) & {
+        tuple(second.prompt_token_ids[i : i + len(reply.token_ids)]) for i in range(len(second.prompt_token_ids))
+    }
+    assert reply.content.strip() in second.prompt_text
+
+
+def test_the_api_model_field_picks_the_model(nodes, client, user):
+    for model in (SMOL, GEMMA):
+        reply = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "Hi!"}],
+            max_tokens=8,
+            temperature=0,
+            extra_headers={"X-Session-ID": f"pick-{model}"},
+        )
+        assert reply.model == model and reply.choices[0].message.content
+        conversation = Conversation.objects.get(owner=user, api_session__endswith=f"pick-{model}")
+        assert conversation.model == model
+        assert conversation.turns.get().node == nodes[model]
+
+
+def test_an_unknown_model_is_404_and_a_model_without_a_live_node_is_503(nodes, client, user):
+    with pytest.raises(openai.NotFoundError) as unknown:
+        client.chat.completions.create(model="gpt-17", messages=[{"role": "user", "content": "Hi"}])
+    assert unknown.value.code == "model_not_found"
+    Node.objects.filter(name=nodes[GEMMA]).update(status=Node.Status.DOWN)
+    try:
+        with pytest.raises(openai.APIStatusError) as down:
+            client.chat.completions.create(model=GEMMA, messages=[{"role": "user", "content": "Hi"}])
+        assert down.value.status_code == 503 and int(down.value.response.headers["Retry-After"]) > 0
+        assert GEMMA not in {m.id for m in client.models.list()}
+        assert not Message.objects.filter(conversation__owner=user).exists()
+    finally:
+        Node.objects.filter(name=nodes[GEMMA]).update(status=Node.Status.UP)
+
+
+def test_a_conversation_of_each_model_streams_in_chromium(nodes, browser: Browser, asgi_server):
+    UserFactory.create(username="two-models")
+    context = browser.new_context(base_url=asgi_server)
+    page = context.new_page()
+    page.goto("/login/")
+    page.fill("input[name=username]", "two-models")
+    page.fill("input[name=password]", "correct horse battery staple")
+    page.click("button[type=submit]")
+    for model in (SMOL, GEMMA):
+        page.goto("/")
+        page.select_option("select[name=model]", model)
+        page.click("text=New conversation")
+        expect(page.locator("select[name=model] option[selected]")).to_have_attribute("value", model)
+        page.fill("#composer textarea", "Hi! My name is Priya.")
+        page.press("#composer textarea", "Enter")
+        expect(page.locator(".msg.assistant:not(.pending)").last).to_be_visible(timeout=60_000)
+        turn = Turn.objects.filter(conversation__owner__username="two-models").latest("id")
+        assert (turn.status, turn.model, turn.node) == (Turn.Status.DONE, model, nodes[model])
+        text = page.locator(".msg.assistant:not(.pending) .text").last.inner_text().strip()
+        assert text == turn.assistant_message.content.strip()
+    context.close()
