@@ -27,6 +27,7 @@ SUPPORTED = {
     "seed",
     "user",
     "n",
+    "ignore_eos",  # vLLM's and llama-server's extension: write on to max_tokens
     *SAMPLING_LIMITS,
 }
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -175,4 +176,9 @@ def _sampling(data: dict) -> dict[str, Any]:
         if not isinstance(stops, list) or len(stops) > 4 or not all(isinstance(s, str) and s for s in stops):
             raise ApiError("stop must be a string or up to 4 non-empty strings.", param="stop")
         sampling["stop"] = stops
+    ignore_eos = data.get("ignore_eos")
+    if ignore_eos is not None:
+        if not isinstance(ignore_eos, bool):
+            raise ApiError("ignore_eos must be true or false.", param="ignore_eos")
+        sampling["ignore_eos"] = ignore_eos
     return sampling
