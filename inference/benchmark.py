@@ -33,8 +33,8 @@ class BenchSettings:
     progress: Callable[[str], None] = field(default=lambda message: None)
 
 
-def greedy(max_tokens: int) -> Sampling:
-    return Sampling(max_tokens=max_tokens, temperature=0, top_p=1, repeat_penalty=1.1)
+def greedy(max_tokens: int, *, ignore_eos: bool = False) -> Sampling:
+    return Sampling(max_tokens=max_tokens, temperature=0, top_p=1, repeat_penalty=1.1, ignore_eos=ignore_eos)
 
 
 def as_chat(texts: Sequence[str]) -> list[ChatMessage]:
@@ -82,8 +82,10 @@ class NodeBenchmark:
         results |= self.replay()
         return results
 
-    def _generate(self, session: str, prompt: list[int], max_tokens: int) -> Generation:
-        return self.engine.generate(session_key=session, prompt=prompt, sampling=greedy(max_tokens))
+    def _generate(self, session: str, prompt: list[int], max_tokens: int, *, ignore_eos: bool = False) -> Generation:
+        return self.engine.generate(
+            session_key=session, prompt=prompt, sampling=greedy(max_tokens, ignore_eos=ignore_eos)
+        )
 
     def warm_cold_and_restore(self) -> dict[str, float]:
         s = self.settings
@@ -130,7 +132,9 @@ class NodeBenchmark:
             results: list[Generation] = []
 
             def one(k: int) -> None:
-                results.append(self._generate(f"{tag}-{k}", prompts[k], s.decode_tokens))
+                # Every generation decodes all its tokens: a chat model that ends its turn early would
+                # otherwise leave the batch part empty.
+                results.append(self._generate(f"{tag}-{k}", prompts[k], s.decode_tokens, ignore_eos=True))
 
             wall = run_parallel([partial(one, k) for k in range(n)])
             return sum(len(r.token_ids) for r in results) / wall

@@ -55,7 +55,7 @@ def test_full_keeps_everything_and_says_when_it_no_longer_fits(fmt):
     messages = history(fmt, 5)
     prompt = Full().assemble(context(fmt, messages))
     assert prompt.kept_ids == tuple(range(1, 12)) and prompt.dropped_ids == ()
-    assert len(rendered_tokens(fmt, prompt)) == prompt.tokens + fmt.overhead
+    assert len(rendered_tokens(fmt, prompt)) == prompt.tokens + fmt.overhead_of(prompt.messages())
     with pytest.raises(ContextOverflow, match=r"only \d+ fit in the model's context"):
         Full().assemble(context(fmt, messages, budget=60))
 
@@ -165,7 +165,7 @@ def test_every_strategy_fits_is_deterministic_keeps_order_and_honours_flags(fmt,
         return
     assert prompt == strategy.assemble(ctx)  # deterministic
     assert prompt.tokens <= budget
-    assert len(rendered_tokens(fmt, prompt)) == prompt.tokens + fmt.overhead  # exact accounting
+    assert len(rendered_tokens(fmt, prompt)) == prompt.tokens + fmt.overhead_of(prompt.messages())  # exact accounting
     for segment in prompt.segments:
         assert list(segment.message_ids) == sorted(segment.message_ids)  # order preserved
     excluded = {m.id for m in messages if m.excluded}

@@ -156,12 +156,16 @@ def test_the_only_node_dying_ends_the_turn_with_a_clear_error(test_database, qui
     user, key = api_user
     name = f"lonely-{uuid.uuid4().hex[:6]}"
     process = start_node(name, test_database, **LONG_REPLIES)
-    only_these_nodes(name)
-    client = ApiStream(quick_web, key, [{"role": "user", "content": LONG_PROMPT}], session="s", **LONG_REPLY)
-    turn = wait_until(lambda: Turn.objects.filter(conversation__owner=user).first(), what="the turn")
-    wait_until(lambda: len(text_streamed(turn)) > 20, what="the node to start replying")
-    os.kill(process.pid, signal.SIGKILL)
-    process.wait()
+    try:
+        only_these_nodes(name)
+        client = ApiStream(quick_web, key, [{"role": "user", "content": LONG_PROMPT}], session="s", **LONG_REPLY)
+        turn = wait_until(lambda: Turn.objects.filter(conversation__owner=user).first(), what="the turn")
+        wait_until(lambda: len(text_streamed(turn)) > 20, what="the node to start replying")
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait()
+    finally:
+        if process.poll() is None:  # the test failed before the kill: leave no node behind
+            stop_node(process)
 
     client.join(timeout=60)  # node timeout (3 s) + no node for CHAT_ORPHAN_SECONDS (3 s), seen by the reader
     assert client.done and [e["code"] for e in client.errors] == ["no_node"]
