@@ -18,7 +18,7 @@ class MessageInline(admin.TabularInline):
 class TurnInline(admin.TabularInline):
     model = Turn
     fk_name = "conversation"
-    fields = ("status", "node", "strategy", "finish_reason", *TURN_MEASUREMENTS, "created_at")
+    fields = ("status", "model", "node", "strategy", "finish_reason", *TURN_MEASUREMENTS, "created_at")
     readonly_fields = fields
     extra = 0
     can_delete = False
@@ -27,8 +27,8 @@ class TurnInline(admin.TabularInline):
 
 @admin.register(Conversation)
 class ConversationAdmin(admin.ModelAdmin):
-    list_display = ("id", "title", "owner", "source", "strategy", "created_at", "updated_at")
-    list_filter = ("source", "strategy", "created_at")
+    list_display = ("id", "title", "owner", "source", "model", "strategy", "created_at", "updated_at")
+    list_filter = ("source", "model", "strategy", "created_at")
     search_fields = ("title", "owner__username", "messages__content")
     list_select_related = ("owner",)
     raw_id_fields = ("owner",)
@@ -47,7 +47,7 @@ class MessageAdmin(admin.ModelAdmin):
     search_fields = ("content",)
     list_select_related = ("conversation",)
     raw_id_fields = ("conversation",)
-    readonly_fields = ("token_ids",)
+    readonly_fields = ("token_ids", "model")
 
     @admin.display(description="content")
     def short_content(self, obj: Message) -> str:
@@ -58,8 +58,8 @@ class MessageAdmin(admin.ModelAdmin):
 class TurnAdmin(admin.ModelAdmin):
     """Read-only: a turn is written only through its transitions (chatapp.turns.lifecycle)."""
 
-    list_display = ("id", "conversation", "status", "node", "strategy", *TURN_MEASUREMENTS, "created_at")
-    list_filter = ("status", "node", "strategy", "created_at")
+    list_display = ("id", "conversation", "status", "model", "node", "strategy", *TURN_MEASUREMENTS, "created_at")
+    list_filter = ("status", "model", "node", "strategy", "created_at")
     search_fields = ("user_message__content", "assistant_message__content", "error")
     list_select_related = ("conversation",)
     raw_id_fields = ("conversation", "user_message", "assistant_message")

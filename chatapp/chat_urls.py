@@ -12,8 +12,15 @@ urlpatterns = [
     path("c/<int:conversation_id>/turns/<int:turn_id>/cancel/", views.turn_cancel, name="turn_cancel"),
     path("c/<int:conversation_id>/turns/<int:turn_id>/retry/", views.turn_retry, name="turn_retry"),
     path("c/<int:conversation_id>/turns/<int:turn_id>/events/", sse.turn_events, name="turn_events"),
-    path("c/<int:conversation_id>/strategy/", views.conversation_strategy, name="conversation_strategy"),
-    path("c/<int:conversation_id>/model/", views.conversation_model, name="conversation_model"),
+    *(
+        path(
+            f"c/<int:conversation_id>/{setting}/",
+            views.conversation_switch,
+            {"setting": setting},
+            name=f"conversation_{setting}",
+        )
+        for setting in views.SWITCHES
+    ),
     path("c/<int:conversation_id>/m/<int:message_id>/flags/", views.message_flags, name="message_flags"),
     path("keys/", views.api_key_list, name="api_key_list"),
     path("keys/<int:key_id>/revoke/", views.api_key_revoke, name="api_key_revoke"),

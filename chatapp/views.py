@@ -1,5 +1,6 @@
 """Browser views. Every lookup is scoped to the signed-in user: another user's ids are a 404."""
 
+from collections.abc import Callable
 from contextlib import suppress
 
 from django.contrib import messages
@@ -162,29 +163,25 @@ def turn_cancel(request: HtmxHttpRequest, conversation_id: int, turn_id: int) ->
     return redirect("chat:conversation_detail", conversation_id=conversation_id)
 
 
-@require_POST
-@login_required
-def conversation_strategy(request: HtmxHttpRequest, conversation_id: int) -> HttpResponse:
-    conversation = selectors.conversation_get_for_user(user=request.user, conversation_id=conversation_id)  # type: ignore[arg-type]
-    try:
-        services.conversation_set_strategy(conversation=conversation, strategy=request.POST.get("strategy", ""))
-    except ValueError as exc:
-        messages.error(request, str(exc))
-    else:
-        messages.success(request, f"Memory strategy: {conversation.strategy}. It applies from the next turn.")
-    return redirect("chat:conversation_detail", conversation_id=conversation.pk)
+# What the conversation page can switch: the service that switches it, and what the page then says.
+SWITCHES: dict[str, tuple[Callable[..., None], str]] = {
+    "strategy": (services.conversation_set_strategy, "Memory strategy: {}. It applies from the next turn."),
+    "model": (services.conversation_set_model, "Model: {}. It answers from the next turn."),
+}
 
 
 @require_POST
 @login_required
-def conversation_model(request: HtmxHttpRequest, conversation_id: int) -> HttpResponse:
+def conversation_switch(request: HtmxHttpRequest, conversation_id: int, setting: str) -> HttpResponse:
+    """Switch the conversation's memory strategy or its model, for the turns to come."""
     conversation = selectors.conversation_get_for_user(user=request.user, conversation_id=conversation_id)  # type: ignore[arg-type]
+    switch, said = SWITCHES[setting]
     try:
-        services.conversation_set_model(conversation=conversation, model=request.POST.get("model", ""))
+        switch(conversation=conversation, **{setting: request.POST.get(setting, "")})
     except ValueError as exc:
         messages.error(request, str(exc))
     else:
-        messages.success(request, f"Model: {conversation.model}. It answers from the next turn.")
+        messages.success(request, said.format(getattr(conversation, setting)))
     return redirect("chat:conversation_detail", conversation_id=conversation.pk)
 
 

@@ -8,10 +8,31 @@ from router.models import AssignmentMove, Node, SessionAssignment
 
 @admin.register(Node)
 class NodeAdmin(admin.ModelAdmin):
-    list_display = ("name", "status", "healthy", "sessions", "capacity", "running", "kv_used", "last_heartbeat")
-    list_filter = ("status",)
-    search_fields = ("name",)
-    readonly_fields = ("stats", "last_heartbeat", "started_at", "sessions")
+    list_display = (
+        "name",
+        "model",
+        "status",
+        "healthy",
+        "sessions",
+        "capacity",
+        "running",
+        "kv_used",
+        "last_heartbeat",
+    )
+    list_filter = ("status", "model")
+    search_fields = ("name", "model")
+    # What the node registered about itself: the model it serves and its limits.
+    readonly_fields = (
+        "stats",
+        "last_heartbeat",
+        "started_at",
+        "sessions",
+        "model",
+        "model_path",
+        "chat_template",
+        "n_ctx",
+        "max_reply_tokens",
+    )
     actions = ["drain", "mark_down", "mark_up"]
 
     @admin.display(boolean=True)

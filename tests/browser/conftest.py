@@ -5,7 +5,7 @@ import shutil
 from collections.abc import Iterator
 
 import pytest
-from playwright.sync_api import Browser, sync_playwright
+from playwright.sync_api import Browser, Page, expect, sync_playwright
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 
@@ -24,3 +24,14 @@ def browser() -> Iterator[Browser]:
         yield browser
         browser.close()
     del os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"]
+
+
+def logged_in(browser: Browser, base_url: str, username: str) -> Page:
+    """A new browser context's page, logged in as `username` (made by UserFactory, with its password)."""
+    page = browser.new_context(base_url=base_url).new_page()
+    page.goto("/login/")
+    page.fill("input[name=username]", username)
+    page.fill("input[name=password]", "correct horse battery staple")
+    page.click("button[type=submit]")
+    expect(page.get_by_role("button", name="New conversation")).to_be_visible()
+    return page

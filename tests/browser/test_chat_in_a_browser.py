@@ -9,6 +9,7 @@ from playwright.sync_api import Browser, Page, expect
 
 from chatapp.models import Message, Turn
 from router.models import Node
+from tests.browser.conftest import logged_in
 from tests.conftest import OUTPUT_DIR, start_node, stop_node
 from tests.factories import UserFactory
 
@@ -33,16 +34,10 @@ def long_node(test_database) -> Iterator[str]:
 def page(browser: Browser, asgi_server: str, long_node: str) -> Iterator[Page]:
     SHOTS.mkdir(parents=True, exist_ok=True)
     UserFactory.create(username="browser")
-    context = browser.new_context(base_url=asgi_server)
-    page = context.new_page()
-    page.goto("/login/")
-    page.fill("input[name=username]", "browser")
-    page.fill("input[name=password]", "correct horse battery staple")
-    page.click("button[type=submit]")
-    expect(page.get_by_role("button", name="New conversation")).to_be_visible()
+    page = logged_in(browser, asgi_server, "browser")
     page.click("text=New conversation")
     yield page
-    context.close()
+    page.context.close()
 
 
 def send(page: Page, text: str) -> None:

@@ -15,6 +15,7 @@ from inference.model_files import resolve_model
 from inference.tokenizer import chat_format_for
 from router.models import AssignmentMove, Node, SessionAssignment
 from router.services import healthy_nodes
+from tests.browser.conftest import logged_in
 from tests.conftest import start_node, stop_node
 from tests.factories import ConversationFactory, UserFactory
 from tests.helpers import wait_for_turn, wait_until
@@ -125,12 +126,7 @@ def test_an_unknown_model_is_404_and_a_model_without_a_live_node_is_503(nodes, c
 
 def test_a_conversation_of_each_model_streams_in_chromium(nodes, browser: Browser, asgi_server):
     UserFactory.create(username="two-models")
-    context = browser.new_context(base_url=asgi_server)
-    page = context.new_page()
-    page.goto("/login/")
-    page.fill("input[name=username]", "two-models")
-    page.fill("input[name=password]", "correct horse battery staple")
-    page.click("button[type=submit]")
+    page = logged_in(browser, asgi_server, "two-models")
     for model in (SMOL, GEMMA):
         page.goto("/")
         page.select_option("select[name=model]", model)
@@ -143,4 +139,4 @@ def test_a_conversation_of_each_model_streams_in_chromium(nodes, browser: Browse
         assert (turn.status, turn.model, turn.node) == (Turn.Status.DONE, model, nodes[model])
         text = page.locator(".msg.assistant:not(.pending) .text").last.inner_text().strip()
         assert turn.assistant_message is not None and text == turn.assistant_message.content.strip()
-    context.close()
+    page.context.close()
