@@ -125,7 +125,8 @@ class Command(BaseCommand):
             admission.turn_start(
                 conversation=services.conversation_create(owner=user, title=f"load test {run}: streams {k}"),
                 text="Tell me a long story about a lighthouse keeper and a storm.",
-                sampling={"max_tokens": 256, "temperature": 0},
+                # 256 tokens each, so that every stream is still open when the last reader joins.
+                sampling={"max_tokens": 256, "temperature": 0, "ignore_eos": True},
             )
             for k in range(4 * o["nodes"])
         ]
