@@ -113,19 +113,27 @@ def quick_web(test_database):
     stop_node(web)
 
 
-def test_a_node_killed_and_restarted_under_its_own_name_finishes_its_turns(test_database, quick_web, api_user):
-    user, key = api_user
-    name = f"phoenix-{uuid.uuid4().hex[:6]}"
+def _reply_then_node_killed(test_database, quick_web, user, key, name: str) -> tuple[ApiStream, Turn]:
+    """A node alone in the cluster starts streaming a long API reply and is SIGKILLed mid-reply (also when
+    the test fails before that, so that no node is left behind to take other tests' turns)."""
     process = start_node(name, test_database, **LONG_REPLIES)
     try:
         only_these_nodes(name)
         client = ApiStream(quick_web, key, [{"role": "user", "content": LONG_PROMPT}], session="s", **LONG_REPLY)
         turn = wait_until(lambda: Turn.objects.filter(conversation__owner=user).first(), what="the turn")
         wait_until(lambda: len(text_streamed(turn)) > 20, what="the node to start replying")
-        os.kill(process.pid, signal.SIGKILL)  # as a supervisor would: killed, then started under its name
+    finally:
+        os.kill(process.pid, signal.SIGKILL)
         process.wait()
-        process = start_node(name, test_database, **LONG_REPLIES)
+    return client, turn
 
+
+def test_a_node_killed_and_restarted_under_its_own_name_finishes_its_turns(test_database, quick_web, api_user):
+    user, key = api_user
+    name = f"phoenix-{uuid.uuid4().hex[:6]}"
+    client, turn = _reply_then_node_killed(test_database, quick_web, user, key, name)
+    process = start_node(name, test_database, **LONG_REPLIES)  # as a supervisor would: under its own name
+    try:
         client.join()
         # The client had text already: the stream says the reply restarted instead of repeating it.
         assert client.status == 200 and client.done
@@ -155,17 +163,7 @@ def test_a_node_killed_and_restarted_under_its_own_name_finishes_its_turns(test_
 def test_the_only_node_dying_ends_the_turn_with_a_clear_error(test_database, quick_web, api_user):
     user, key = api_user
     name = f"lonely-{uuid.uuid4().hex[:6]}"
-    process = start_node(name, test_database, **LONG_REPLIES)
-    try:
-        only_these_nodes(name)
-        client = ApiStream(quick_web, key, [{"role": "user", "content": LONG_PROMPT}], session="s", **LONG_REPLY)
-        turn = wait_until(lambda: Turn.objects.filter(conversation__owner=user).first(), what="the turn")
-        wait_until(lambda: len(text_streamed(turn)) > 20, what="the node to start replying")
-        os.kill(process.pid, signal.SIGKILL)
-        process.wait()
-    finally:
-        if process.poll() is None:  # the test failed before the kill: leave no node behind
-            stop_node(process)
+    client, turn = _reply_then_node_killed(test_database, quick_web, user, key, name)
 
     client.join(timeout=60)  # node timeout (3 s) + no node for CHAT_ORPHAN_SECONDS (3 s), seen by the reader
     assert client.done and [e["code"] for e in client.errors] == ["no_node"]
