@@ -1,3 +1,5 @@
+from collections.abc import Mapping
+
 from django import forms
 from django.conf import settings
 
@@ -26,14 +28,14 @@ class ConversationForm(forms.Form):
         strategy.initial = settings.CHAT_DEFAULT_STRATEGY
         model = self.fields["model"]
         assert isinstance(model, forms.ChoiceField)
-        model.choices = model_choices()
+        model.choices = model_choices(served_models())
         model.initial = settings.CHAT_DEFAULT_MODEL
 
 
-def model_choices() -> list[tuple[str, str]]:
-    """Every model known here, those no node serves now marked as such (their turns wait for one)."""
-    served = served_models()
-    return [(name, name if name in served else f"{name} (no node up)") for name in sorted(set(PACKAGED) | set(served))]
+def model_choices(served: Mapping[str, object], *, current: str = "") -> list[tuple[str, str]]:
+    """Every model known here (and `current`), those no node serves now marked as such."""
+    names = sorted(set(PACKAGED) | set(served) | ({current} if current else set()))
+    return [(name, name if name in served else f"{name} (no node up)") for name in names]
 
 
 class FactForm(forms.Form):

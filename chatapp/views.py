@@ -77,15 +77,14 @@ def _chat_context(conversation: Conversation, *, form: MessageForm | None = None
         "form": form or MessageForm(),
         "error": error,
         "strategies": strategy_aliases(),
-        "models": model_choices(),
-        "n_ctx": _context_tokens(conversation.model),
-    }
+    } | _model_context(conversation.model)
 
 
-def _context_tokens(model: str) -> int:
-    """The context the model's nodes hold (0 while none is up), for the turn inspector's bar."""
-    served = served_models().get(model)
-    return served.n_ctx if served else 0
+def _model_context(model: str) -> dict:
+    """The models to offer, and the context `model`'s nodes hold (0 while none is up) for the turn
+    inspector's bar: one look at the node registry."""
+    served = served_models()
+    return {"models": model_choices(served, current=model), "n_ctx": served[model].n_ctx if model in served else 0}
 
 
 @require_POST
@@ -137,7 +136,7 @@ def turn_detail(request: HtmxHttpRequest, conversation_id: int, turn_id: int) ->
         "form": MessageForm(),
         "pending_turn": None if turn.is_finished else turn,
         "composer_oob": turn.is_finished,
-        "n_ctx": _context_tokens(turn.model) if turn.is_finished else 0,
+        "n_ctx": _model_context(turn.model)["n_ctx"] if turn.is_finished else 0,
     }
     return render(request, "chat/conversation_detail.html#turn", context)
 
