@@ -5,6 +5,8 @@ from collections.abc import Callable
 from typing import Any
 
 from chatapp.models import Turn
+from router.models import Node
+from tests.conftest import NODE_ENV
 
 
 def wait_until(condition: Callable[[], Any], timeout: float = 60, what: str = "condition") -> Any:
@@ -15,6 +17,15 @@ def wait_until(condition: Callable[[], Any], timeout: float = 60, what: str = "c
             return value
         time.sleep(0.1)
     raise AssertionError(f"{what} not met within {timeout}s")
+
+
+def only_these_nodes(*names: str) -> None:
+    """Route to these nodes alone: once they are up, the others are marked down (a node's heartbeat never
+    undoes that). First one heartbeat period passes, so that a live node whose row a flush between tests
+    removed has registered again, up, and is marked down with the rest."""
+    wait_until(lambda: Node.objects.filter(name__in=names, status=Node.Status.UP).count() == len(names), what="nodes")
+    time.sleep(2 * float(NODE_ENV["ROUTER_HEARTBEAT_SECONDS"]))
+    Node.objects.exclude(name__in=names).update(status=Node.Status.DOWN)
 
 
 def wait_for_turn(turn: Turn, timeout: float = 120) -> Turn:

@@ -18,7 +18,7 @@ from router.services import healthy_nodes
 from tests.browser.conftest import logged_in
 from tests.conftest import start_node, stop_node
 from tests.factories import ConversationFactory, UserFactory
-from tests.helpers import wait_for_turn, wait_until
+from tests.helpers import only_these_nodes, wait_for_turn
 
 pytestmark = pytest.mark.django_db(transaction=True)
 SMOL, GEMMA = "smollm2-135m-instruct", "gemma-3-270m"
@@ -36,8 +36,8 @@ def two_models(test_database) -> Iterator[dict[str, str]]:
 
 @pytest.fixture
 def nodes(two_models) -> dict[str, str]:
-    Node.objects.exclude(name__in=two_models.values()).update(status=Node.Status.DOWN)
-    wait_until(lambda: {n.name for n in healthy_nodes()} == set(two_models.values()), 15, "both nodes up")
+    only_these_nodes(*two_models.values())
+    assert {n.name for n in healthy_nodes()} == set(two_models.values())
     return two_models
 
 

@@ -26,16 +26,10 @@ from router.services import assignment_move
 from tests.conftest import start_node, start_web, stop_node
 from tests.factories import ConversationFactory, NodeFactory, UserFactory
 from tests.faults.helpers import LONG_PROMPT, LONG_REPLY
-from tests.helpers import wait_for_turn, wait_until
+from tests.helpers import only_these_nodes, wait_for_turn, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 LONG_REPLIES = {"MAX_REPLY_TOKENS": "300", "IGNORE_EOS": "on"}
-
-
-def only_these_nodes(*names: str) -> None:
-    """Route to these nodes alone: the others are marked down (a node's heartbeat never undoes that)."""
-    wait_until(lambda: Node.objects.filter(name__in=names, status=Node.Status.UP).count() == len(names), what="nodes")
-    Node.objects.exclude(name__in=names).update(status=Node.Status.DOWN)
 
 
 def text_streamed(turn: Turn) -> str:
