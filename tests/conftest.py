@@ -197,3 +197,18 @@ def user(db):
 @pytest.fixture
 def other_user(db):
     return UserFactory.create()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    """A failing test that ran its own processes shows the end of their logs: a node's side of a failure
+    is otherwise lost with the CI machine."""
+    started = time.time()
+    try:
+        return (yield)
+    except BaseException:
+        logs = sorted(OUTPUT_DIR.glob("*.log")) if OUTPUT_DIR.is_dir() else []
+        for log in (path for path in logs if path.stat().st_mtime >= started):
+            tail = log.read_text(errors="replace").splitlines()[-40:]
+            item.add_report_section("call", log.name, "\n".join(tail))
+        raise
