@@ -1,11 +1,6 @@
 import json
-import os
-import socket
-import subprocess
-import sys
 import threading
 import time
-import urllib.request
 import uuid
 from functools import partial
 from itertools import islice
@@ -14,14 +9,16 @@ from pathlib import Path
 from django.conf import settings
 from django.contrib.auth.models import User
 from django.core.management.base import BaseCommand, CommandError
-from django.db import connection
 
 from chatapp import loadtest, loadtest_streams, quotas, services
 from chatapp.api.keys import api_key_create
 from chatapp.datasets import chitchat_conversations
+from chatapp.stack_processes import Stack, free_port
 from chatapp.turns import admission
 from inference.benchmark import run_parallel
 from router.models import Node
+
+LOG_DIR = Path(settings.BASE_DIR) / "var" / "load-test"
 
 
 class Command(BaseCommand):
@@ -61,22 +58,18 @@ class Command(BaseCommand):
             "SPILL_BUDGET_MB": str(o["spill_mb"]),
         }
         Node.objects.update(status=Node.Status.DOWN)  # only this test's nodes take its turns
-        processes: dict[str, subprocess.Popen] = {}
+        stack = Stack(LOG_DIR)
         try:
             for k in range(o["nodes"]):
-                processes[f"node-{k}"] = _spawn(["run_node", "--name", f"load-{run}-{k}"], node_env, f"node-{k}")
-            port = _free_port()
-            web_env = {"CHAT_QUEUE_PER_SLOT": str(o["queue_per_slot"])}
-            processes["web"] = _spawn_web(port, web_env)
-            _wait_for_nodes(prefix, o["nodes"], processes)
+                stack.node(f"load-{run}-{k}", node_env, label=f"node-{k}")
+            port = free_port()
+            stack.web(port, {"CHAT_QUEUE_PER_SLOT": str(o["queue_per_slot"])})
+            stack.wait_for_nodes(prefix, o["nodes"])
             self._progress(o, f"web on port {port}, {o['nodes']} nodes; {o['sessions']} sessions, {o['duration']:.0f}s")
             held = self._hold_streams(run, port, o) if o["open_streams"] else {}
-            result = held | self._load(run, prefix, port, processes, o)
+            result = held | self._load(run, prefix, port, stack, o)
         finally:
-            for process in processes.values():
-                process.terminate()
-            for process in processes.values():
-                process.wait(timeout=30)
+            stack.stop()
         if o["json"]:
             self.stdout.write(json.dumps(result, default=str))
         else:
@@ -87,14 +80,14 @@ class Command(BaseCommand):
         if lost or result["replies_without_turn"] or result["conversations_with_unmatched_messages"]:
             raise CommandError("Messages were lost or doubled: see the figures above.")
 
-    def _load(self, run: str, prefix: str, port: int, processes: dict[str, subprocess.Popen], o) -> dict:
+    def _load(self, run: str, prefix: str, port: int, stack: Stack, o) -> dict:
         user, _ = User.objects.get_or_create(username="loadtest")
         quotas.grant_unlimited_use(user)
         _, key = api_key_create(owner=user, name=f"load test {run}")
         conversations = list(islice(chitchat_conversations(min_messages=12), o["sessions"]))
         clients = [loadtest.ClientStats() for _ in range(o["sessions"])]
         stop = threading.Event()
-        memory = loadtest.sample_memory({name: p.pid for name, p in processes.items()}, stop)
+        memory = loadtest.sample_memory(stack.pids(), stop)
         started = time.monotonic()
         deadline = started + o["duration"]
         run_parallel(
@@ -136,67 +129,3 @@ class Command(BaseCommand):
     def _progress(self, o, message: str) -> None:
         if not o["json"]:
             self.stderr.write(f"... {message}")
-
-
-LOG_DIR = Path(settings.BASE_DIR) / "var" / "load-test"
-
-
-def _environment(extra: dict[str, str]) -> dict[str, str]:
-    """This process's environment, with the database it is using (a test database, say) and `extra`."""
-    db = connection.settings_dict
-    auth = db["USER"] + (f":{db['PASSWORD']}" if db["PASSWORD"] else "")
-    url = f"postgres://{auth}@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}"
-    return os.environ | extra | {"DATABASE_URL": url}
-
-
-def _spawn(args: list[str], env: dict[str, str], log_name: str) -> subprocess.Popen:
-    LOG_DIR.mkdir(parents=True, exist_ok=True)
-    with (LOG_DIR / f"{log_name}.log").open("w") as log:
-        return subprocess.Popen(  # noqa: S603 (our own manage.py, arguments built here)
-            [sys.executable, "manage.py", *args],
-            cwd=settings.BASE_DIR,
-            env=_environment(env),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-
-
-def _spawn_web(port: int, env: dict[str, str]) -> subprocess.Popen:
-    LOG_DIR.mkdir(parents=True, exist_ok=True)
-    with (LOG_DIR / "web.log").open("w") as log:
-        process = subprocess.Popen(  # noqa: S603 (our own web process, arguments built here)
-            [sys.executable, "-m", "uvicorn", "chatapp.asgi:application", "--port", str(port), "--no-access-log"],
-            cwd=settings.BASE_DIR,
-            env=_environment(env),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/login/", timeout=1)
-            return process
-        except OSError:
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise CommandError(f"The web process did not start; see {LOG_DIR / 'web.log'}.") from None
-            time.sleep(0.2)
-
-
-def _wait_for_nodes(prefix: str, count: int, processes: dict[str, subprocess.Popen], timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if any(p.poll() is not None for p in processes.values()):
-            raise CommandError(f"A process exited early; see the logs in {LOG_DIR}.")
-        ready = [
-            name for name in (f"node-{k}" for k in range(count)) if " ready." in (LOG_DIR / f"{name}.log").read_text()
-        ]
-        if len(ready) == count and Node.objects.filter(name__startswith=prefix, status=Node.Status.UP).count() == count:
-            return
-        time.sleep(0.5)
-    raise CommandError(f"The nodes did not start within {timeout:.0f}s; see the logs in {LOG_DIR}.")
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
