@@ -8,7 +8,7 @@ PYTHON312 ?= $(shell for p in python3.12 $(HOME)/.pyenv/versions/3.12*/bin/pytho
 TEST_ENV := DEBUG=on SECRET_KEY=test-only REDIS_URL=redis://127.0.0.1:6379/15
 
 .DEFAULT_GOAL := help
-.PHONY: help setup run test lint typecheck pytest browser lock clean
+.PHONY: help setup run test lint typecheck pytest browser lock clean llama-server
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -53,6 +53,24 @@ pytest: $(BIN)/.installed browser ## The test suite (real Postgres, Redis, Celer
 	$(TEST_ENV) $(BIN)/python manage.py prepare_model
 	$(TEST_ENV) $(BIN)/python manage.py collectstatic --no-input --verbosity 0
 	$(TEST_ENV) $(BIN)/pytest
+
+# llama.cpp's own server, for `bench_stack`: built from the llama.cpp source vendored in the pinned
+# llama-cpp-python sdist, so both servers run the same kernels. A benchmark tool, not part of `make run`.
+LLAMA_CPP_PYTHON := $(shell sed -n 's/^llama_cpp_python==//p' requirements.txt)
+LLAMA_SRC := var/src/llama_cpp_python-$(LLAMA_CPP_PYTHON)
+
+llama-server: var/llama-server ## Build llama.cpp's llama-server into var/ (for bench_stack)
+
+var/llama-server: requirements.txt
+	mkdir -p var/src
+	test -f $(LLAMA_SRC).tar.gz || $(PYTHON312) -m pip download --quiet --no-binary :all: --no-deps \
+		-d var/src llama_cpp_python==$(LLAMA_CPP_PYTHON)
+	tar -xzf $(LLAMA_SRC).tar.gz -C var/src
+	cmake -S $(LLAMA_SRC)/vendor/llama.cpp -B var/src/build -G Ninja -DCMAKE_BUILD_TYPE=Release \
+		-DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+		-DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON
+	cmake --build var/src/build --target llama-server
+	cp var/src/build/bin/llama-server $@
 
 lock: ## Re-pin requirements.txt from requirements.in
 	$(BIN)/pip install --quiet -r requirements.in

@@ -239,31 +239,37 @@ class BatchEngine:
         self._after_decode(plan)
 
     def _build_batch(self) -> tuple[list[BatchEntry], list[tuple[Request, list[int], int | None]]]:
-        """Entries for one decode step, and per request: the tokens it adds and where its logits are."""
-        entries: list[BatchEntry] = []
-        plan: list[tuple[Request, list[int], int | None]] = []
+        """Entries for one decode step, and per request: the tokens it adds and where its logits are.
+
+        Decoding sequences come first for the step's token budget, prefill chunks take the rest. Entries go
+        in sequence-id order: with one KV stream per sequence, llama.cpp splits a batch into micro-batches
+        of consecutive sequence ids, and each micro-batch reads all the weights again (16 sequences in
+        arrival order took 1.65x as long as the same 16 sorted)."""
         budget = self.config.STEP_TOKEN_BUDGET
+        chunks: dict[int, list[int]] = {}
         for request in self._running:
             if request.last_token is not None:
-                assert request.session is not None and request.session.seq_id is not None
-                wants_logits = not request.finished
-                entry = BatchEntry(
-                    request.last_token, len(request.session.tokens), request.session.seq_id, wants_logits
-                )
-                plan.append((request, [request.last_token], len(entries) if wants_logits else None))
-                entries.append(entry)
+                chunks[id(request)] = [request.last_token]
                 budget -= 1
         for request in self._running:
-            if not request.pending or budget <= 0:
+            if request.pending and budget > 0:
+                chunks[id(request)] = request.pending[:budget]
+                budget -= len(chunks[id(request)])
+        entries: list[BatchEntry] = []
+        plan: list[tuple[Request, list[int], int | None]] = []
+        for request in sorted(self._running, key=lambda r: r.session.seq_id):  # type: ignore[union-attr]
+            chunk = chunks.get(id(request))
+            if chunk is None:
                 continue
             assert request.session is not None and request.session.seq_id is not None
-            chunk = request.pending[:budget]
             start = len(request.session.tokens)
-            last = len(chunk) == len(request.pending)
+            decoding = request.last_token is not None
+            # A decoding sequence wants its next token's logits; a prefill chunk only when it ends the prompt.
+            wants_logits = not request.finished if decoding else len(chunk) == len(request.pending)
             for i, token in enumerate(chunk):
-                entries.append(BatchEntry(token, start + i, request.session.seq_id, last and i == len(chunk) - 1))
-            plan.append((request, chunk, len(entries) - 1 if last else None))
-            budget -= len(chunk)
+                last = i == len(chunk) - 1
+                entries.append(BatchEntry(token, start + i, request.session.seq_id, wants_logits and last))
+            plan.append((request, chunk, len(entries) - 1 if wants_logits else None))
         return entries, plan
 
     def _after_decode(self, plan: list[tuple[Request, list[int], int | None]]) -> None:

@@ -8,6 +8,7 @@ is restored from RAM when that beats recomputing its prefix.
 """
 
 import ctypes
+import heapq
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import Enum
@@ -51,7 +52,9 @@ class SessionCache:
     def __init__(self, runtime: LlamaRuntime, *, n_seq: int, spill_budget_bytes: int) -> None:
         self._runtime = runtime
         self._sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
-        self._free_seq_ids = list(range(n_seq - 1, -1, -1))
+        # Lowest first: running sequences then tend to have consecutive ids, which llama.cpp decodes in one
+        # micro-batch (see BatchEngine._build_batch).
+        self._free_seq_ids = list(range(n_seq))
         self._spill_budget = spill_budget_bytes
         self.spilled_bytes = 0
         self.restores = 0
@@ -91,7 +94,7 @@ class SessionCache:
             return Residency.KEPT
         if not self._free_seq_ids and not self.spill_one_idle(keep=session):
             return None
-        session.seq_id = self._free_seq_ids.pop()
+        session.seq_id = heapq.heappop(self._free_seq_ids)
         if session.spilled is not None:
             state, session.spilled = session.spilled, None
             self.spilled_bytes -= len(state)
@@ -109,7 +112,7 @@ class SessionCache:
         if session.resident:
             assert session.seq_id is not None
             self._runtime.seq_truncate(session.seq_id, 0)
-            self._free_seq_ids.append(session.seq_id)
+            heapq.heappush(self._free_seq_ids, session.seq_id)
             session.seq_id = None
         session.tokens = []
 
@@ -120,7 +123,7 @@ class SessionCache:
             self.spilled_bytes += len(session.spilled)
             self.spills += 1
         self._runtime.seq_truncate(session.seq_id, 0)
-        self._free_seq_ids.append(session.seq_id)
+        heapq.heappush(self._free_seq_ids, session.seq_id)
         session.seq_id = None
         self._enforce_spill_budget()
 

@@ -1,0 +1,155 @@
+import json
+import os
+import uuid
+from itertools import islice
+from pathlib import Path
+
+from django.conf import settings
+from django.contrib.auth.models import User
+from django.core.management.base import BaseCommand, CommandError
+
+from chatapp import quotas
+from chatapp.api.keys import api_key_create
+from chatapp.datasets import chitchat_conversations
+from chatapp.stack_bench import Scenario, Server, compare, summarise
+from chatapp.stack_processes import Stack, free_port, wait_for_http
+from inference.model_files import DEFAULT_MODEL, PACKAGED, ModelNotFound, resolve_model
+from router.models import Node
+
+LOG_DIR = Path(settings.BASE_DIR) / "var" / "bench-stack"
+LLAMA_SERVER = Path(settings.BASE_DIR) / "var" / "llama-server"
+REPEAT_PENALTY = 1.1  # the node's default; llama-server is asked for the same
+TARGETS = {"wall_ratio": ">= 1.0", "ttft_p50_ratio": ">= 1.0", "cache_hit_ratio": ">= 1.0"}
+
+
+class Command(BaseCommand):
+    help = (
+        "Replay chat sessions through this stack's OpenAI API (a node and a web process it starts) and through "
+        "llama.cpp's llama-server on the same model and cores, interleaved, and print the ratios."
+    )
+
+    def add_arguments(self, parser):
+        parser.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(PACKAGED), help="The model both serve.")
+        parser.add_argument(
+            "--scenarios", default="8x12,32x10", help="Comma-separated SESSIONSxTURNS replays (default: 8x12,32x10)."
+        )
+        parser.add_argument("--repeats", type=int, default=3, help="Interleaved pairs per scenario (at least 3).")
+        parser.add_argument("--max-tokens", type=int, default=32, help="Longest reply (greedy).")
+        parser.add_argument(
+            "--ignore-eos", action="store_true", help="Every reply runs to --max-tokens (both servers support it)."
+        )
+        parser.add_argument("--threads", type=int, default=2, help="CPU threads for each server's llama.cpp.")
+        parser.add_argument("--slots", type=int, default=16, help="Sequences decoded at once by each server.")
+        parser.add_argument("--n-ctx", type=int, default=2048, help="Context per session (per slot).")
+        parser.add_argument("--llama-server", default=str(LLAMA_SERVER), help="The binary (make llama-server).")
+        parser.add_argument("--json", action="store_true", help="Print one JSON object instead of a table.")
+
+    def handle(self, *args, **o):
+        scenarios = _scenarios(o["scenarios"])
+        if o["repeats"] < 1:
+            raise CommandError("--repeats must be at least 1.")
+        if not Path(o["llama_server"]).is_file():
+            raise CommandError(f"No llama-server at {o['llama_server']}: run `make llama-server` first.")
+        try:
+            model = resolve_model(name=o["model"])
+        except ModelNotFound as exc:
+            raise CommandError(str(exc)) from exc
+        turns = max(s.turns for s in scenarios)
+        needed = o["repeats"] * sum(s.sessions for s in scenarios)
+        conversations = list(islice(chitchat_conversations(min_messages=2 * turns), needed))
+        run = uuid.uuid4().hex[:8]
+        stack = Stack(LOG_DIR)
+        try:
+            ours, theirs = self._start(stack, run, model, o, max(s.sessions for s in scenarios))
+            results = compare(
+                ours,
+                theirs,
+                scenarios,
+                conversations,
+                repeats=o["repeats"],
+                max_tokens=o["max_tokens"],
+                ignore_eos=o["ignore_eos"],
+                run=run,
+                progress=(lambda m: None) if o["json"] else (lambda m: self.stderr.write(f"... {m}")),
+            )
+        except (ValueError, RuntimeError) as exc:
+            raise CommandError(f"{exc} (logs in {LOG_DIR})") from exc
+        finally:
+            stack.stop()
+        summary = summarise(results, ours.name, theirs.name)
+        settings_used = {k: o[k] for k in ("model", "repeats", "max_tokens", "ignore_eos", "threads", "slots", "n_ctx")}
+        if o["json"]:
+            self.stdout.write(json.dumps(settings_used | _rounded(summary)))
+        else:
+            self._table(summary, scenarios, settings_used)
+
+    def _start(self, stack: Stack, run: str, model, o, sessions: int) -> tuple[Server, Server]:
+        """This stack (one node, one web process) and llama-server, both up and idle."""
+        Node.objects.update(status=Node.Status.DOWN)  # only this run's node takes its turns
+        node_env = {
+            "N_THREADS": os.environ.get("BENCH_NODE_THREADS", str(o["threads"])),
+            "MAX_CONCURRENT": str(o["slots"]),
+            # As many KV streams as llama-server has slots; other sessions spill to RAM, as its slots do.
+            "MAX_RESIDENT_SESSIONS": str(o["slots"]),
+            "N_CTX": str(o["n_ctx"]),
+            "REPEAT_PENALTY": str(REPEAT_PENALTY),
+        }
+        node = stack.node(f"bench-{run}", node_env, label="node", model=model.name)
+        web_port, llama_port = free_port(), free_port()
+        web = stack.web(web_port, {"CHAT_QUEUE_PER_SLOT": "4"})
+        template = ["--chat-template", model.chat_template] if model.chat_template else ["--jinja"]
+        llama = stack.spawn(
+            "llama-server",
+            [
+                o["llama_server"],
+                *("-m", str(model.path), "--host", "127.0.0.1", "--port", str(llama_port)),
+                *("-t", str(o["threads"]), "-tb", str(o["threads"]), "-np", str(o["slots"])),
+                *("-c", str(o["slots"] * o["n_ctx"]), "--swa-full", *template),
+            ],
+        )
+        wait_for_http(f"http://127.0.0.1:{llama_port}/health", llama, LOG_DIR / "llama-server.log")
+        stack.wait_for_nodes(f"bench-{run}", 1)
+        user, _ = User.objects.get_or_create(username="benchstack")
+        quotas.grant_unlimited_use(user)
+        _, key = api_key_create(owner=user, name=f"bench_stack {run}")
+        ours = Server("stack", f"http://127.0.0.1:{web_port}", model.name, (node.pid, web.pid), key=key)
+        theirs = Server(
+            "llama-server",
+            f"http://127.0.0.1:{llama_port}",
+            model.name,
+            (llama.pid,),
+            body={"repeat_penalty": REPEAT_PENALTY, "repeat_last_n": 64},
+        )
+        return ours, theirs
+
+    def _table(self, summary: dict, scenarios: list[Scenario], used: dict) -> None:
+        self.stdout.write(", ".join(f"{k} {v}" for k, v in used.items()))
+        figures = ["wall_s", "ttft_p50_ms", "ttft_p90_ms", "cache_hit", "cpu_ms_per_token", "machine_cpu_ms_per_token"]
+        for scenario in scenarios:
+            label = scenario.label
+            self.stdout.write(f"\n{label} (medians)          {'stack':>12} {'llama-server':>13}")
+            for figure in figures:
+                ours, theirs = summary[f"stack_{figure}_{label}"], summary[f"llama-server_{figure}_{label}"]
+                self.stdout.write(f"  {figure:28} {ours:12.3f} {theirs:13.3f}")
+            self.stdout.write(f"  {'ratio':28} {'median':>12} {'range':>13}  target")
+            for name in ("wall_ratio", "ttft_p50_ratio", "ttft_p90_ratio", "cpu_per_token_ratio", "cache_hit_ratio"):
+                low, high = summary[f"{name}_{label}_range"]
+                median = summary[f"{name}_{label}"]
+                self.stdout.write(f"  {name:28} {median:12.3f} {low:6.3f}-{high:<6.3f}  {TARGETS.get(name, '')}")
+
+
+def _scenarios(text: str) -> list[Scenario]:
+    try:
+        scenarios = [Scenario(*(int(n) for n in part.split("x"))) for part in text.split(",")]
+    except (TypeError, ValueError) as exc:
+        raise CommandError(f"--scenarios must look like 8x12,32x10; got {text!r}.") from exc
+    if any(s.sessions < 1 or s.turns < 1 for s in scenarios):
+        raise CommandError("Each scenario needs at least one session and one turn.")
+    return scenarios
+
+
+def _rounded(summary: dict) -> dict:
+    def one(value):
+        return [one(v) for v in value] if isinstance(value, list) else round(value, 4)
+
+    return {key: one(value) for key, value in summary.items()}

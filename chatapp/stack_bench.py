@@ -1,0 +1,249 @@
+"""The same chat replay through two OpenAI-compatible servers, side by side: this stack and llama.cpp's
+llama-server (`bench_stack`).
+
+A replay is N sessions x T turns of held-out chitchat conversations, all sessions at once: each turn
+resends the session's whole history (streaming, greedy, a fixed `max_tokens`), and the reply the server
+wrote goes into the history. Each server's figures come from its own answers (TTFT as the client saw it,
+the cached prompt tokens it reports) and from /proc (the CPU time its processes used).
+"""
+
+import http.client
+import json
+import math
+import os
+import statistics
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from chatapp.experiments.report import percentile
+from inference.benchmark import run_parallel
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+Figures = list[dict[str, float]]  # one replay's figures per repeat
+
+
+@dataclass(frozen=True)
+class Server:
+    name: str
+    url: str
+    model: str
+    pids: tuple[int, ...]  # the processes whose CPU time is the server's
+    key: str = ""  # bearer token
+    body: dict = field(default_factory=dict)  # request fields only this server needs
+
+
+@dataclass(frozen=True)
+class TurnResult:
+    ttft_ms: float | None
+    text: str
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+
+
+@dataclass
+class ReplayResult:
+    wall_s: float = 0.0
+    server_cpu_s: float = 0.0
+    machine_cpu_s: float = 0.0
+    ttft_ms: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    def add(self, turn: TurnResult) -> None:
+        if turn.ttft_ms is not None:
+            self.ttft_ms.append(turn.ttft_ms)
+        self.prompt_tokens += turn.prompt_tokens
+        self.cached_tokens += turn.cached_tokens
+        self.completion_tokens += turn.completion_tokens
+
+    def figures(self) -> dict[str, float]:
+        tokens = max(self.completion_tokens, 1)
+        return {
+            "wall_s": self.wall_s,
+            "ttft_p50_ms": percentile(self.ttft_ms, 50) or math.nan,
+            "ttft_p90_ms": percentile(self.ttft_ms, 90) or math.nan,
+            "cache_hit": self.cached_tokens / max(self.prompt_tokens, 1),
+            "cpu_ms_per_token": 1000 * self.server_cpu_s / tokens,
+            "machine_cpu_ms_per_token": 1000 * self.machine_cpu_s / tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "errors": len(self.errors),
+        }
+
+
+def chat_turn(server: Server, session: str, messages: list[dict], max_tokens: int, ignore_eos: bool) -> TurnResult:
+    """One streamed, greedy chat completion; raises RuntimeError on an HTTP or stream error."""
+    parts = urlsplit(server.url)
+    connection = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port, timeout=600)
+    body = {
+        "model": server.model,
+        "messages": messages,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": ignore_eos,
+        **server.body,
+    }
+    headers = {"Content-Type": "application/json", "X-Session-ID": session}
+    if server.key:
+        headers["Authorization"] = f"Bearer {server.key}"
+    started = time.perf_counter()
+    try:
+        connection.request("POST", "/v1/chat/completions", body=json.dumps(body), headers=headers)
+        response = connection.getresponse()
+        if response.status != 200:
+            raise RuntimeError(f"{server.name}: HTTP {response.status}: {response.read()[:300]!r}")
+        text: list[str] = []
+        ttft: float | None = None
+        usage: dict = {}
+        for raw in response:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            data = json.loads(line[6:])
+            if "error" in data:
+                raise RuntimeError(f"{server.name}: {data['error']}")
+            for choice in data.get("choices") or []:
+                if piece := (choice.get("delta") or {}).get("content"):
+                    ttft = ttft or (time.perf_counter() - started) * 1000
+                    text.append(piece)
+            usage = data.get("usage") or usage
+    finally:
+        connection.close()
+    return TurnResult(
+        ttft_ms=ttft,
+        text="".join(text),
+        prompt_tokens=usage.get("prompt_tokens", 0),
+        cached_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+        completion_tokens=usage.get("completion_tokens", 0),
+    )
+
+
+def replay(
+    server: Server, conversations: Sequence[list[str]], *, turns: int, max_tokens: int, ignore_eos: bool, tag: str
+) -> ReplayResult:
+    """Every conversation as one session, all at once, `turns` user messages each."""
+    result = ReplayResult()
+    lock = threading.Lock()
+
+    def one_session(k: int, texts: list[str]) -> None:
+        history: list[dict] = []
+        for turn in range(turns):
+            history.append({"role": "user", "content": texts[2 * turn]})
+            try:
+                answer = chat_turn(server, f"{tag}-{k}", history, max_tokens, ignore_eos)
+            except (OSError, RuntimeError) as exc:
+                with lock:
+                    result.errors.append(str(exc))
+                return
+            with lock:
+                result.add(answer)
+            history.append({"role": "assistant", "content": answer.text})
+
+    cpu_before, machine_before = process_cpu_s(server.pids), machine_cpu_s()
+    result.wall_s = run_parallel([partial(one_session, k, texts) for k, texts in enumerate(conversations)])
+    result.server_cpu_s = process_cpu_s(server.pids) - cpu_before
+    result.machine_cpu_s = machine_cpu_s() - machine_before
+    return result
+
+
+def process_cpu_s(pids: Sequence[int]) -> float:
+    """User and system CPU seconds the processes (all their threads) have used so far."""
+    total = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of proc(5)
+    return total / CLOCK_TICKS
+
+
+def machine_cpu_s() -> float:
+    """CPU seconds the whole machine has spent busy (everything but idle and iowait), all cores."""
+    values = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = values[:8]
+    return (user + nice + system + irq + softirq + steal) / CLOCK_TICKS
+
+
+@dataclass(frozen=True)
+class Scenario:
+    sessions: int
+    turns: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.sessions}x{self.turns}"
+
+
+def compare(
+    ours: Server,
+    theirs: Server,
+    scenarios: Sequence[Scenario],
+    conversations: Sequence[list[str]],
+    *,
+    repeats: int,
+    max_tokens: int,
+    ignore_eos: bool,
+    run: str,
+    progress: Callable[[str], None],
+) -> dict[str, dict[str, Figures]]:
+    """Each scenario `repeats` times on both servers, interleaved (A B, then B A, ...), each pair on
+    conversations of its own so that no server meets a prompt it has cached from an earlier pair.
+    Returns {scenario: {server name: [figures of each repeat]}}."""
+    results: dict[str, dict[str, list[dict[str, float]]]] = {
+        s.label: {ours.name: [], theirs.name: []} for s in scenarios
+    }
+    offset = 0
+    for r in range(repeats):
+        for scenario in scenarios:
+            chosen = conversations[offset : offset + scenario.sessions]
+            if len(chosen) < scenario.sessions:
+                raise ValueError(f"Only {len(conversations)} conversations are long enough for this benchmark.")
+            offset += scenario.sessions
+            for server in (ours, theirs) if r % 2 == 0 else (theirs, ours):
+                progress(f"repeat {r + 1}/{repeats}, {scenario.label}: {server.name}")
+                tag = f"bench-{run}-{r}-{scenario.label}"
+                replayed = replay(
+                    server, chosen, turns=scenario.turns, max_tokens=max_tokens, ignore_eos=ignore_eos, tag=tag
+                )
+                if replayed.errors:
+                    raise RuntimeError(f"{server.name} failed {len(replayed.errors)} turns: {replayed.errors[0]}")
+                results[scenario.label][server.name].append(replayed.figures())
+    return results
+
+
+# Ratios as llama-server / this stack for times (above 1: this stack is faster), this stack / llama-server
+# for the cache hit (above 1: this stack reuses more).
+RATIOS = {
+    "wall_ratio": ("wall_s", False),
+    "ttft_p50_ratio": ("ttft_p50_ms", False),
+    "ttft_p90_ratio": ("ttft_p90_ms", False),
+    "cpu_per_token_ratio": ("cpu_ms_per_token", False),
+    "cache_hit_ratio": ("cache_hit", True),
+}
+
+
+def summarise(results: dict[str, dict[str, Figures]], ours: str, theirs: str) -> dict:
+    """Per scenario: each server's median figures, and each ratio's median and range over the pairs."""
+    summary: dict = {}
+    for label, by_server in results.items():
+        for server, runs in by_server.items():
+            for key in runs[0]:
+                summary[f"{server}_{key}_{label}"] = statistics.median(run[key] for run in runs)
+        for name, (key, ours_over_theirs) in RATIOS.items():
+            pairs = zip(by_server[ours], by_server[theirs], strict=True)
+            ratios = [_ratio(a[key], b[key]) if ours_over_theirs else _ratio(b[key], a[key]) for a, b in pairs]
+            summary[f"{name}_{label}"] = statistics.median(ratios)
+            summary[f"{name}_{label}_range"] = [min(ratios), max(ratios)]
+    return summary
+
+
+def _ratio(numerator: float, denominator: float) -> float:
+    return numerator / denominator if denominator else math.nan
