@@ -1,7 +1,8 @@
 """Node benchmarks, each a ratio measured side by side in one process (this machine is noisy).
 
-Conversations come in as plain lists of message texts, so this module needs
-nothing but the engine.
+Every ratio comes from pairs measured one right after the other, in alternating order (A B, B A, ...),
+`repeats` times: the figure is the median ratio, with its range (`<name>_range`). Conversations come in as
+plain lists of message texts, so this module needs nothing but the engine.
 """
 
 import statistics
@@ -15,7 +16,7 @@ from inference.batch_engine import BatchEngine
 from inference.chat_format import ChatFormat
 from inference.chat_templates import ChatMessage, TemplateSpec
 from inference.config import EngineConfig
-from inference.engine import Generation, Sampling
+from inference.types import Generation, Sampling
 
 BASELINE_CACHE_BYTES = 64 * 2**20
 
@@ -54,6 +55,21 @@ def long_conversation(fmt: ChatFormat, conversations: Sequence[list[str]], token
     return as_chat(texts)
 
 
+def paired(name: str, ratios: Sequence[float]) -> dict:
+    """A ratio's median over its pairs, and its range."""
+    return {name: statistics.median(ratios), f"{name}_range": [min(ratios), max(ratios)]}
+
+
+def rounded(value: float | list[float]) -> float | list[float]:
+    """A figure for JSON output: 4 decimals (a range: both ends)."""
+    return [round(v, 4) for v in value] if isinstance(value, list) else round(value, 4)
+
+
+def alternating[T](first: T, second: T, repeat: int) -> tuple[T, T]:
+    """The pair in A B order on even repeats, B A on odd ones."""
+    return (first, second) if repeat % 2 == 0 else (second, first)
+
+
 def run_parallel(calls: Sequence[Callable[[], object]]) -> float:
     """Run the calls in threads at once; the wall time in seconds."""
     threads = [threading.Thread(target=call) for call in calls]
@@ -72,8 +88,8 @@ class NodeBenchmark:
         self.conversations = conversations
         self.settings = settings
 
-    def run(self) -> dict[str, float]:
-        results: dict[str, float] = {}
+    def run(self) -> dict:
+        results: dict = {}
         self.settings.progress("warm vs cold follow-up turns, restore vs recompute")
         results |= self.warm_cold_and_restore()
         self.settings.progress(f"decode throughput, 1 vs {self.settings.batch} concurrent generations")
@@ -87,7 +103,7 @@ class NodeBenchmark:
             session_key=session, prompt=prompt, sampling=greedy(max_tokens, ignore_eos=ignore_eos)
         )
 
-    def warm_cold_and_restore(self) -> dict[str, float]:
+    def warm_cold_and_restore(self) -> dict:
         s = self.settings
         warm_ttft, cold_ttft, extra, restore_ms, recompute_ms, prompt_tokens = [], [], [], [], [], []
         for i in range(s.repeats):
@@ -97,34 +113,35 @@ class NodeBenchmark:
             reply = self._generate(f"warm-{i}", turn1, s.reply_tokens)
             answered = [*earlier[:-1], ChatMessage("assistant", reply.text, tuple(reply.token_ids))]
             turn2 = self.fmt.render([*answered, question])
-            warm = self._generate(f"warm-{i}", turn2, 1)
-            cold = self._generate(f"cold-{i}", turn2, 1)
-            warm_ttft.append(warm.ttft_ms)
-            cold_ttft.append(cold.ttft_ms)
-            extra.append(len(turn1) + len(reply.token_ids) - warm.cached_tokens)
+            measured: dict[str, Generation] = {}
+            for kind in alternating("warm", "cold", i):
+                measured[kind] = self._generate(f"{kind}-{i}", turn2, 1)
+            warm_ttft.append(measured["warm"].ttft_ms)
+            cold_ttft.append(measured["cold"].ttft_ms)
+            extra.append(len(turn1) + len(reply.token_ids) - measured["warm"].cached_tokens)
             prompt_tokens.append(len(turn2))
 
             # The cold session now holds turn2: spill it, then compare restoring it with recomputing it.
             for filler in range(self.engine.config.MAX_RESIDENT_SESSIONS):
                 self._generate(f"filler-{i}-{filler}", self.fmt.render([ChatMessage("user", "Hi")]), 1)
-            restored = self._generate(f"cold-{i}", turn2, 1)
-            recomputed = self._generate(f"recompute-{i}", turn2, 1)
-            if not restored.restored:
+            for kind in alternating("restore", "recompute", i):
+                measured[kind] = self._generate(f"cold-{i}" if kind == "restore" else f"recompute-{i}", turn2, 1)
+            if not measured["restore"].restored:
                 raise RuntimeError("the spilled session was not restored from RAM")
-            restore_ms.append(restored.prefill_ms)
-            recompute_ms.append(recomputed.prefill_ms)
+            restore_ms.append(measured["restore"].prefill_ms)
+            recompute_ms.append(measured["recompute"].prefill_ms)
         return {
             "conversation_tokens": statistics.median(prompt_tokens),
             "warm_ttft_ms": statistics.median(warm_ttft),
             "cold_ttft_ms": statistics.median(cold_ttft),
-            "warm_cold_ttft_ratio": statistics.median(cold_ttft) / statistics.median(warm_ttft),
+            **paired("warm_cold_ttft_ratio", [c / w for c, w in zip(cold_ttft, warm_ttft, strict=True)]),
             "warm_extra_prefill_tokens": max(extra),
             "restore_ms": statistics.median(restore_ms),
             "recompute_ms": statistics.median(recompute_ms),
-            "restore_vs_recompute": statistics.median(restore_ms) / statistics.median(recompute_ms),
+            **paired("restore_vs_recompute", [r / c for r, c in zip(restore_ms, recompute_ms, strict=True)]),
         }
 
-    def batch_decode(self) -> dict[str, float]:
+    def batch_decode(self) -> dict:
         s = self.settings
         prompts = [self.fmt.render([ChatMessage("user", c[0])]) for c in self.conversations[: s.batch]]
 
@@ -139,17 +156,42 @@ class NodeBenchmark:
             wall = run_parallel([partial(one, k) for k in range(n)])
             return sum(len(r.token_ids) for r in results) / wall
 
-        single = statistics.median(throughput(1, f"single-{r}") for r in range(2))
-        batched = throughput(s.batch, "batched")
+        single, batched = [], []
+        for r in range(s.repeats):
+            for n in alternating(1, s.batch, r):
+                (single if n == 1 else batched).append(throughput(n, f"decode-{n}-{r}"))
         return {
-            "decode_tokens_per_s_1": single,
-            f"decode_tokens_per_s_{s.batch}": batched,
-            f"batch{s.batch}_decode_speedup": batched / single,
+            "decode_tokens_per_s_1": statistics.median(single),
+            f"decode_tokens_per_s_{s.batch}": statistics.median(batched),
+            **paired(f"batch{s.batch}_decode_speedup", [b / a for a, b in zip(single, batched, strict=True)]),
         }
 
-    def replay(self) -> dict[str, float]:
+    def replay(self) -> dict:
         s = self.settings
         sessions = [c for c in self.conversations if len(c) >= 2 * s.replay_turns][: s.replay_sessions]
+        ours, baseline, tokens, baseline_tokens = [], [], [], []
+        for r in range(s.repeats if s.baseline else 1):
+            for engine in alternating("ours", "baseline", r) if s.baseline else ("ours",):
+                if engine == "ours":
+                    wall, generated = self._replay_here(sessions, f"replay-{r}")
+                    ours.append(wall)
+                    tokens.append(generated)
+                else:
+                    s.progress("replay on llama-cpp-python's Llama with LlamaRAMCache, requests serialised")
+                    wall, generated = replay_on_llama_cpp_python(self.engine.config, self.fmt.spec, sessions, s)
+                    baseline.append(wall)
+                    baseline_tokens.append(generated)
+        results = {"replay_s": statistics.median(ours), "replay_tokens": float(statistics.median(tokens))}
+        if baseline:
+            results |= {"replay_s_llama_cpp_python": statistics.median(baseline)}
+            results |= paired(
+                "replay_speedup_vs_llama_cpp_python", [b / o for o, b in zip(ours, baseline, strict=True)]
+            )
+        return results
+
+    def _replay_here(self, sessions: list[list[str]], tag: str) -> tuple[float, int]:
+        """Every session at once on this engine, whole history each turn; wall time and tokens generated."""
+        s = self.settings
         generated = [0]
         lock = threading.Lock()
 
@@ -157,22 +199,13 @@ class NodeBenchmark:
             history: list[ChatMessage] = []
             for turn in range(s.replay_turns):
                 history.append(ChatMessage("user", texts[2 * turn]))
-                reply = self._generate(f"replay-{k}", self.fmt.render(history), s.reply_tokens)
+                reply = self._generate(f"{tag}-{k}", self.fmt.render(history), s.reply_tokens)
                 history.append(ChatMessage("assistant", reply.text, tuple(reply.token_ids)))
                 with lock:
                     generated[0] += len(reply.token_ids)
 
-        ours = run_parallel([partial(one_session, k, t) for k, t in enumerate(sessions)])
-        results = {"replay_s": ours, "replay_tokens": float(generated[0])}
-        if s.baseline:
-            s.progress("replay on llama-cpp-python's Llama with LlamaRAMCache, requests serialised")
-            baseline, baseline_tokens = replay_on_llama_cpp_python(self.engine.config, self.fmt.spec, sessions, s)
-            results |= {
-                "replay_s_llama_cpp_python": baseline,
-                "replay_tokens_llama_cpp_python": float(baseline_tokens),
-                "replay_speedup_vs_llama_cpp_python": baseline / ours,
-            }
-        return results
+        wall = run_parallel([partial(one_session, k, t) for k, t in enumerate(sessions)])
+        return wall, generated[0]
 
 
 def replay_on_llama_cpp_python(

@@ -5,7 +5,7 @@ from django.core.management.base import BaseCommand
 
 from chatapp.datasets import chitchat_conversations
 from inference.batch_engine import BatchEngine
-from inference.benchmark import BenchSettings, NodeBenchmark
+from inference.benchmark import BenchSettings, NodeBenchmark, rounded
 from inference.config import EngineConfig
 
 TARGETS = {
@@ -23,7 +23,9 @@ class Command(BaseCommand):
     def add_arguments(self, parser):
         parser.add_argument("--json", action="store_true", help="Print one JSON object instead of a table.")
         parser.add_argument("--long-tokens", type=int, default=1500, help="Conversation length for warm/cold turns.")
-        parser.add_argument("--repeats", type=int, default=3, help="Conversations measured for warm/cold and restore.")
+        parser.add_argument(
+            "--repeats", type=int, default=3, help="Interleaved pairs behind each ratio (its median and range)."
+        )
         parser.add_argument("--batch", type=int, default=16, help="Concurrent generations for the decode speedup.")
         parser.add_argument("--decode-tokens", type=int, default=128, help="Tokens per generation in that test.")
         parser.add_argument("--sessions", type=int, default=16, help="Sessions in the replay.")
@@ -58,8 +60,11 @@ class Command(BaseCommand):
             engine.close()
         results["bench_wall_s"] = time.perf_counter() - started
         if as_json:
-            self.stdout.write(json.dumps({k: round(v, 4) for k, v in results.items()}))
+            self.stdout.write(json.dumps({k: rounded(v) for k, v in results.items()}))
             return
-        self.stdout.write(f"{'metric':40} {'value':>12}  target")
+        self.stdout.write(f"{'metric':40} {'median':>12} {'range':>15}  target")
         for key, value in results.items():
-            self.stdout.write(f"{key:40} {value:12.3f}  {TARGETS.get(key, '')}")
+            if not key.endswith("_range"):
+                low, high = results.get(f"{key}_range", (None, None))
+                spread = f"{low:.3f}-{high:.3f}" if low is not None else ""
+                self.stdout.write(f"{key:40} {value:12.3f} {spread:>15}  {TARGETS.get(key, '')}")
