@@ -10,10 +10,11 @@ from chatapp.memory.assembly import prompt_record, turn_prompt, turn_summarize
 from chatapp.memory.base import ContextOverflow
 from chatapp.models import Turn
 from chatapp.turns.lifecycle import turn_claim, turn_fail, turn_finish, turn_record_prompt
-from inference.engine import PromptTooLong
+from inference.types import PromptTooLong
 
 if TYPE_CHECKING:
-    from inference.engine import Engine, Sampling
+    from inference.engine import Engine
+    from inference.types import Sampling
 
 logger = logging.getLogger(__name__)
 

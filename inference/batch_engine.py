@@ -1,65 +1,33 @@
 """Continuous batching over one llama.cpp context, with a session-keyed KV cache.
 
-One engine thread owns the context. Each step it builds a single
-`llama_decode` batch from every running sequence: one token for each that is
-decoding, then prefill chunks under the step's token budget (chunked prefill,
-so a long prompt never stalls the others). A finished sequence leaves and a
-waiting request joins at the next step (iteration-level scheduling, Orca,
-OSDI '22). Requests come from any thread through `submit`; results go back
-through each request's event queue.
+One engine thread owns the context. Each step the scheduler (`inference.scheduler`) plans a single
+`llama_decode` batch from every running sequence: one token for each that is decoding, then prefill
+chunks under the step's token budget (chunked prefill, so a long prompt never stalls the others); the
+engine decodes it and samples. A finished sequence leaves and a waiting request joins at the next step
+(iteration-level scheduling, Orca, OSDI '22). Requests come from any thread through `submit`; results go
+back through each request's event queue, and the calling thread passes text on, off the engine's loop.
 """
 
 import logging
+import os
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-
-from llama_cpp._internals import LlamaSampler
 
 from inference.chat_format import chat_format_for_model
 from inference.config import EngineConfig
-from inference.engine import FinishReason, Generation, NodeStats, Sampling, check_fits
-from inference.llama_runtime import BatchEntry, LlamaRuntime, NoKVSlot
-from inference.session_cache import Residency, Session, SessionCache, common_prefix
+from inference.llama_runtime import LlamaRuntime, NoKVSlot
+from inference.request import Request, RequestState
+from inference.scheduler import Scheduler
+from inference.session_cache import SessionCache
 from inference.text_stream import TextAssembler
+from inference.types import FinishReason, Generation, NodeStats, Sampling, check_fits
 
 logger = logging.getLogger(__name__)
 
 # How often a waiting caller polls its `should_stop` (a Redis read for a turn).
 CANCEL_POLL_S = 0.1
-
-
-@dataclass(eq=False)
-class Request:
-    session_key: str
-    prompt: list[int]
-    sampling: Sampling
-    events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    submitted_at: float = field(default_factory=time.perf_counter)
-    # Engine-thread state.
-    session: Session | None = None
-    sampler: LlamaSampler | None = None
-    pending: list[int] = field(default_factory=list)  # prompt tokens not yet in the KV cache
-    last_token: int | None = None  # sampled but not yet decoded into the KV cache
-    generated: list[int] = field(default_factory=list)
-    text: TextAssembler | None = None
-    finished: bool = False
-    cached_tokens: int = 0
-    restored: bool = False
-    admitted_at: float = 0.0
-    prefilled_at: float = 0.0
-    first_token_at: float = 0.0
-
-    def cancel(self) -> None:
-        self.cancelled.set()
-
-    def cells_to_come(self) -> int:
-        """KV cells this request may still add: the rest of its prompt and of its reply."""
-        return len(self.pending) + (0 if self.finished else self.sampling.max_tokens - len(self.generated) + 1)
 
 
 class BatchEngine:
@@ -78,9 +46,8 @@ class BatchEngine:
         self.sessions = SessionCache(
             self.runtime, n_seq=config.MAX_RESIDENT_SESSIONS, spill_budget_bytes=config.SPILL_BUDGET_MB * 2**20
         )
+        self.scheduler = Scheduler(config, self.runtime, self.sessions)
         self._inbox: queue.Queue[Request] = queue.Queue()
-        self._waiting: deque[Request] = deque()
-        self._running: list[Request] = []
         self._stats = NodeStats(kv_cells_total=self.runtime.kv_size)
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
@@ -151,143 +118,54 @@ class BatchEngine:
     # Engine thread -------------------------------------------------------------
 
     def _loop(self) -> None:
+        if self.config.COMPUTE_NICE:
+            # This thread, and the OpenMP threads llama.cpp starts from it at the first decode, give way to
+            # the node's other threads and the processes beside it (web, Postgres, Redis): their work is
+            # short and on a turn's critical path, and the compute threads take every cycle left.
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.config.COMPUTE_NICE)
         while not self._closed.is_set():
-            self._take_new(block=not (self._running or self._waiting))
-            self._admit()
-            if self._running:
+            self._take_new(block=not self.scheduler.has_work)
+            admission = self.scheduler.admit()
+            for request in admission.cancelled:
+                self._hand_back(request, "cancelled")
+            for request in admission.started:
+                request.sampler = self.runtime.sampler(request.sampling)
+                request.text = TextAssembler(request.sampling.stop)
+            if self.scheduler.running:
                 try:
                     self._step()
                 except Exception as exc:  # a broken step must not take the node down
                     logger.exception("engine step failed")
-                    for request in list(self._running):
+                    for request in list(self.scheduler.running):
                         self._fail(request, exc)
             self._stats = self._collect_stats()
 
     def _take_new(self, *, block: bool) -> None:
         try:
             if block:
-                self._waiting.append(self._inbox.get(timeout=0.2))
+                self.scheduler.add(self._inbox.get(timeout=0.2))
             while True:
-                self._waiting.append(self._inbox.get_nowait())
+                self.scheduler.add(self._inbox.get_nowait())
         except queue.Empty:
             pass
 
-    def _admit(self) -> None:
-        """Move waiting requests into the running batch, in arrival order, while they fit."""
-        skipped: list[Request] = []
-        while self._waiting and len(self._running) < self.config.MAX_CONCURRENT:
-            request = self._waiting.popleft()
-            if request.cancelled.is_set():
-                self._finish(request, "cancelled")
-                continue
-            session = self.sessions.get(request.session_key)
-            if session.busy:  # one request per session at a time; the next waits its turn
-                skipped.append(request)
-                continue
-            request.admitted_at = time.perf_counter()  # prefill_ms counts a restore from RAM too
-            residency = (
-                self.sessions.make_resident(session, request.prompt) if self._reserve_cells(request, session) else None
-            )
-            if residency is None:
-                self._waiting.appendleft(request)
-                break
-            request.restored = residency is Residency.RESTORED
-            self._start(request, session)
-        self._waiting.extendleft(reversed(skipped))
-
-    def _reserve_cells(self, request: Request, session: Session) -> bool:
-        """With one shared pool, spill idle sessions until this request's cells fit next to the running ones."""
-        if not self.config.KV_UNIFIED:
-            return True  # every resident session has its own N_CTX-cell stream
-        reusable = common_prefix(session.tokens, request.prompt) if session.resident else 0
-        need = len(request.prompt) - reusable + request.sampling.max_tokens + 1
-        headroom = self.runtime.batch_capacity  # llama.cpp places a batch in free cells; keep room to place one
-        while self.sessions.cells_used() + sum(r.cells_to_come() for r in self._running) + need + headroom > (
-            self.runtime.kv_size
-        ):
-            if not self.sessions.spill_one_idle(keep=session):
-                return False
-        return True
-
-    def _start(self, request: Request, session: Session) -> None:
-        assert session.seq_id is not None
-        reuse = common_prefix(session.tokens, request.prompt)
-        reuse = min(reuse, len(request.prompt) - 1)  # the last prompt token is decoded again for its logits
-        self.runtime.seq_truncate(session.seq_id, reuse)
-        del session.tokens[reuse:]
-        request.session = session
-        request.cached_tokens = reuse
-        request.pending = request.prompt[reuse:]
-        request.sampler = self.runtime.sampler(request.sampling)
-        request.text = TextAssembler(request.sampling.stop)
-        session.busy = True
-        self._running.append(request)
-
     def _step(self) -> None:
-        for request in list(self._running):
+        """Schedule, decode, sample: one iteration of continuous batching."""
+        for request in list(self.scheduler.running):
             if request.cancelled.is_set() and not request.finished:
                 self._finish(request, "cancelled")
-        entries, plan = self._build_batch()
-        if not entries:
+        plan = self.scheduler.schedule()
+        if not plan.entries:
             return
         try:
-            self.runtime.decode(entries)
+            self.runtime.decode(plan.entries)
         except NoKVSlot:
             if not self.sessions.spill_one_idle():
                 raise
-            self.runtime.decode(entries)
-        self._after_decode(plan)
-
-    def _build_batch(self) -> tuple[list[BatchEntry], list[tuple[Request, list[int], int | None]]]:
-        """Entries for one decode step, and per request: the tokens it adds and where its logits are.
-
-        Decoding sequences come first for the step's token budget, prefill chunks take the rest. Entries go
-        in sequence-id order: with one KV stream per sequence, llama.cpp splits a batch into micro-batches
-        of consecutive sequence ids, and each micro-batch reads all the weights again (16 sequences in
-        arrival order took 1.65x as long as the same 16 sorted)."""
-        budget = self.config.STEP_TOKEN_BUDGET
-        chunks: dict[int, list[int]] = {}
-        for request in self._running:
-            if request.last_token is not None:
-                chunks[id(request)] = [request.last_token]
-                budget -= 1
-        for request in self._running:
-            if request.pending and budget > 0:
-                chunks[id(request)] = request.pending[:budget]
-                budget -= len(chunks[id(request)])
-        entries: list[BatchEntry] = []
-        plan: list[tuple[Request, list[int], int | None]] = []
-        for request in sorted(self._running, key=lambda r: r.session.seq_id):  # type: ignore[union-attr]
-            chunk = chunks.get(id(request))
-            if chunk is None:
-                continue
-            assert request.session is not None and request.session.seq_id is not None
-            start = len(request.session.tokens)
-            decoding = request.last_token is not None
-            # A decoding sequence wants its next token's logits; a prefill chunk only when it ends the prompt.
-            wants_logits = not request.finished if decoding else len(chunk) == len(request.pending)
-            for i, token in enumerate(chunk):
-                last = i == len(chunk) - 1
-                entries.append(BatchEntry(token, start + i, request.session.seq_id, wants_logits and last))
-            plan.append((request, chunk, len(entries) - 1 if wants_logits else None))
-        return entries, plan
-
-    def _after_decode(self, plan: list[tuple[Request, list[int], int | None]]) -> None:
-        now = time.perf_counter()
-        for request, tokens, logits_index in plan:
-            assert request.session is not None
-            request.session.tokens.extend(tokens)
-            if request.pending:
-                del request.pending[: len(tokens)]
-                if not request.pending:
-                    request.prefilled_at = now
-            else:
-                request.last_token = None
-            if request.finished:
-                self._release(request)
-            elif logits_index is not None:
-                assert request.sampler is not None
-                self._accept_token(request, self.runtime.sample(request.sampler, logits_index))
+            self.runtime.decode(plan.entries)
+        for chunk in self.scheduler.update(plan):
+            assert chunk.request.sampler is not None and chunk.logits_index is not None
+            self._accept_token(chunk.request, self.runtime.sample(chunk.request.sampler, chunk.logits_index))
 
     def _accept_token(self, request: Request, token: int) -> None:
         assert request.text is not None
@@ -309,29 +187,19 @@ class BatchEngine:
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         """Hand the result back now; the request leaves the batch once its last token is in the cache."""
-        request.finished = True
+        request.state = RequestState.FINISHING
+        self._hand_back(request, reason)
+        if request.last_token is None:
+            self.scheduler.release(request)
+
+    def _hand_back(self, request: Request, reason: FinishReason) -> None:
         if request.text is not None and (tail := request.text.finish()):
             request.events.put(("text", tail))
         request.events.put(("done", self._generation(request, reason)))
-        if request.last_token is None and request in self._running:
-            self._release(request)
-
-    def _release(self, request: Request) -> None:
-        if request.session is not None:
-            request.session.busy = False
-        if request.sampler is not None:
-            # Free llama.cpp's chain now: LlamaSampler is in a reference cycle, so without this its buffers
-            # (about 1 MiB a request here) waited for the cyclic collector (the load test saw nodes grow).
-            request.sampler.close()
-            request.sampler = None
-        self._running.remove(request)
 
     def _fail(self, request: Request, exc: Exception) -> None:
-        request.finished = True
         request.events.put(("error", exc))
-        if request.session is not None:
-            self.sessions.discard(request.session)
-        self._release(request)
+        self.scheduler.drop(request)
 
     def _generation(self, request: Request, reason: FinishReason) -> Generation:
         end = time.perf_counter()
@@ -352,8 +220,8 @@ class BatchEngine:
 
     def _collect_stats(self) -> NodeStats:
         return NodeStats(
-            running=sum(1 for r in self._running if not r.finished),
-            waiting=len(self._waiting) + self._inbox.qsize(),
+            running=sum(1 for r in self.scheduler.running if not r.finished),
+            waiting=len(self.scheduler.waiting) + self._inbox.qsize(),
             resident_sessions=len(self.sessions.resident_sessions()),
             spilled_sessions=self.sessions.spilled_count(),
             kv_cells_used=self.sessions.cells_used(),

@@ -14,7 +14,7 @@ from llama_cpp._internals import LlamaContext, LlamaModel, LlamaSampler
 from llama_cpp._logger import set_verbose
 
 from inference.config import EngineConfig
-from inference.engine import Sampling
+from inference.types import Sampling
 
 
 @dataclass(frozen=True)

@@ -68,6 +68,26 @@ class SessionCache:
         self._sessions.move_to_end(key)
         return session
 
+    # The token ledger: a session's tokens and busy flag change here only.
+
+    def acquire(self, session: Session) -> None:
+        """Mark the session as running a request (one at a time)."""
+        assert not session.busy, f"session {session.key} already runs a request"
+        session.busy = True
+
+    def release(self, session: Session) -> None:
+        session.busy = False
+
+    def truncate(self, session: Session, keep: int) -> None:
+        """Keep the first `keep` tokens of a resident session's sequence; drop the rest from the KV cache."""
+        assert session.seq_id is not None
+        self._runtime.seq_truncate(session.seq_id, keep)
+        del session.tokens[keep:]
+
+    def extend(self, session: Session, tokens: list[int]) -> None:
+        """Record tokens a decode step has just written into the session's sequence."""
+        session.tokens.extend(tokens)
+
     def resident_sessions(self) -> list[Session]:
         return [s for s in self._sessions.values() if s.resident]
 

@@ -248,7 +248,7 @@ def answer_questions(
 ) -> list[dict]:
     """The model's replies to the questions whose prompts `results` kept, greedy, each scored by `answer_f1`.
     One engine session per strategy and conversation, so its prefix cache serves as it would live."""
-    from inference.engine import Sampling
+    from inference.types import Sampling
 
     sampling = Sampling(max_tokens=max_tokens, temperature=0.0, top_p=1.0, repeat_penalty=1.0, seed=0)
     scored = []

@@ -19,7 +19,7 @@ from chatapp.memory.summaries import (
 from chatapp.models import Conversation, Message, Summary, Turn, UserFact
 from chatapp.selectors import message_search
 from inference.chat_templates import ChatMessage
-from inference.engine import Sampling
+from inference.types import Sampling
 
 if TYPE_CHECKING:
     from inference.engine import Engine

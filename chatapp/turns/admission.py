@@ -72,7 +72,7 @@ def turn_start(
     Every check runs before anything is written: the text, its size, one reply at a time, the user's
     quotas, a node to run it and room in that node's queue. Called inside a caller's transaction (an API
     request that stores resent history first), a refusal rolls that back too. `sampling` overrides the
-    node's defaults (fields of inference.engine.Sampling); `policy` is a routing policy alias; `api_key` is
+    node's defaults (fields of inference.types.Sampling); `policy` is a routing policy alias; `api_key` is
     the key an API request came with (its own limits apply as well as its owner's).
     """
     text = check_message_text(text)

@@ -30,7 +30,7 @@ from chatapp.validation import NoNodeUp, ReplyInProgress, TurnRejected
 from router.services import NoHealthyNode, queue_for_node, session_node
 
 if TYPE_CHECKING:
-    from inference.engine import Generation
+    from inference.types import Generation
 
 logger = logging.getLogger(__name__)
 Status = Turn.Status

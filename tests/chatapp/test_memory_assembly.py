@@ -7,7 +7,7 @@ from chatapp.memory.summaries import SUMMARY_TOKENS
 from chatapp.models import Message, Summary, Turn
 from chatapp.selectors import message_search
 from chatapp.turns.lifecycle import turn_record_prompt
-from inference.engine import Sampling
+from inference.types import Sampling
 from tests.factories import ConversationFactory, MessageFactory
 
 SHORT = Sampling(max_tokens=16, temperature=0, top_p=1, repeat_penalty=1.1)

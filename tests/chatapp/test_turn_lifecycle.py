@@ -9,7 +9,7 @@ from chatapp.models import Message, Turn
 from chatapp.turns import admission, lifecycle
 from chatapp.turns.recovery import turns_reap
 from chatapp.validation import NoNodeUp, QuotaExceeded, ReplyInProgress, TurnRejected
-from inference.engine import Generation
+from inference.types import Generation
 from router.models import Node
 from tests.factories import ConversationFactory, MessageFactory, NodeFactory
 

@@ -11,7 +11,7 @@ import pytest
 
 from inference.batch_engine import BatchEngine
 from inference.chat_templates import ChatMessage
-from inference.engine import Generation, PromptTooLong, Sampling
+from inference.types import Generation, PromptTooLong, Sampling
 
 GREEDY = Sampling(max_tokens=16, temperature=0, top_p=1, repeat_penalty=1.1)
 QUESTIONS = [
