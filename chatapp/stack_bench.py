@@ -21,7 +21,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from chatapp.experiments.report import percentile
-from inference.benchmark import run_parallel
+from inference.benchmark import paired, run_parallel
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 Figures = list[dict[str, float]]  # one replay's figures per repeat
@@ -240,8 +240,7 @@ def summarise(results: dict[str, dict[str, Figures]], ours: str, theirs: str) ->
         for name, (key, ours_over_theirs) in RATIOS.items():
             pairs = zip(by_server[ours], by_server[theirs], strict=True)
             ratios = [_ratio(a[key], b[key]) if ours_over_theirs else _ratio(b[key], a[key]) for a, b in pairs]
-            summary[f"{name}_{label}"] = statistics.median(ratios)
-            summary[f"{name}_{label}_range"] = [min(ratios), max(ratios)]
+            summary |= paired(f"{name}_{label}", ratios)
     return summary
 
 

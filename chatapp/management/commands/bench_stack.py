@@ -1,5 +1,4 @@
 import json
-import os
 import uuid
 from itertools import islice
 from pathlib import Path
@@ -13,6 +12,7 @@ from chatapp.api.keys import api_key_create
 from chatapp.datasets import chitchat_conversations
 from chatapp.stack_bench import Scenario, Server, compare, summarise
 from chatapp.stack_processes import Stack, free_port, wait_for_http
+from inference.benchmark import rounded
 from inference.model_files import DEFAULT_MODEL, PACKAGED, ModelNotFound, resolve_model
 from router.models import Node
 
@@ -79,15 +79,16 @@ class Command(BaseCommand):
         summary = summarise(results, ours.name, theirs.name)
         settings_used = {k: o[k] for k in ("model", "repeats", "max_tokens", "ignore_eos", "threads", "slots", "n_ctx")}
         if o["json"]:
-            self.stdout.write(json.dumps(settings_used | _rounded(summary)))
+            self.stdout.write(json.dumps(settings_used | {k: rounded(v) for k, v in summary.items()}))
         else:
             self._table(summary, scenarios, settings_used)
 
     def _start(self, stack: Stack, run: str, model, o, sessions: int) -> tuple[Server, Server]:
         """This stack (one node, one web process) and llama-server, both up and idle."""
         Node.objects.update(status=Node.Status.DOWN)  # only this run's node takes its turns
-        node_env = {
-            "N_THREADS": os.environ.get("BENCH_NODE_THREADS", str(o["threads"])),
+        production = {"DEBUG": "off"}  # DEBUG keeps every SQL query in memory: not what a server runs
+        node_env = production | {
+            "N_THREADS": str(o["threads"]),
             "MAX_CONCURRENT": str(o["slots"]),
             # As many KV streams as llama-server has slots; other sessions spill to RAM, as its slots do.
             "MAX_RESIDENT_SESSIONS": str(o["slots"]),
@@ -96,7 +97,7 @@ class Command(BaseCommand):
         }
         node = stack.node(f"bench-{run}", node_env, label="node", model=model.name)
         web_port, llama_port = free_port(), free_port()
-        web = stack.web(web_port, {"CHAT_QUEUE_PER_SLOT": "4"})
+        web = stack.web(web_port, production | {"CHAT_QUEUE_PER_SLOT": "4"})
         template = ["--chat-template", model.chat_template] if model.chat_template else ["--jinja"]
         llama = stack.spawn(
             "llama-server",
@@ -146,10 +147,3 @@ def _scenarios(text: str) -> list[Scenario]:
     if any(s.sessions < 1 or s.turns < 1 for s in scenarios):
         raise CommandError("Each scenario needs at least one session and one turn.")
     return scenarios
-
-
-def _rounded(summary: dict) -> dict:
-    def one(value):
-        return [one(v) for v in value] if isinstance(value, list) else round(value, 4)
-
-    return {key: one(value) for key, value in summary.items()}

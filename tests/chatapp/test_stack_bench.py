@@ -1,0 +1,61 @@
+"""bench_stack's parts: a replay through this stack's real API and node, the ratios' direction and spread,
+and a clear error without the comparison server. (The side-by-side run itself needs `make llama-server`,
+a ten-minute build, so the suite does not run it; the README gives its figures and command.)"""
+
+import os
+from itertools import islice
+
+import pytest
+from django.core.management import CommandError, call_command
+
+from chatapp import quotas
+from chatapp.api.keys import api_key_create
+from chatapp.datasets import chitchat_conversations
+from chatapp.stack_bench import Server, replay, summarise
+from tests.factories import UserFactory
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_replay_through_the_stack_resends_history_and_reads_its_cache_hits(node, asgi_server, model_file):
+    user = UserFactory.create()
+    quotas.grant_unlimited_use(user)
+    _, key = api_key_create(owner=user, name="bench")
+    # The CPU counted is this process's: it certainly works during the replay (the node runs elsewhere).
+    server = Server("stack", asgi_server, model_file.name, (os.getpid(),), key=key)
+    conversations = list(islice(chitchat_conversations(min_messages=6), 2))
+
+    result = replay(server, conversations, turns=3, max_tokens=8, ignore_eos=True, tag="bench-test")
+
+    assert result.errors == []
+    assert len(result.ttft_ms) == 6 and result.completion_tokens == 6 * 8
+    # Turns 2 and 3 of each session reuse the session's cache: everything but the new message.
+    assert 0.3 < result.cached_tokens / result.prompt_tokens < 1
+    figures = result.figures()
+    assert figures["cpu_ms_per_token"] > 0 and figures["wall_s"] > 0
+    assert figures["ttft_p50_ms"] <= figures["ttft_p90_ms"]
+
+
+def test_ratios_say_how_much_faster_this_stack_is_with_their_median_and_range():
+    def run(wall: float, cache_hit: float) -> dict[str, float]:
+        figures = {"wall_s": wall, "ttft_p50_ms": wall, "ttft_p90_ms": wall, "cpu_ms_per_token": wall}
+        return figures | {"cache_hit": cache_hit}
+
+    results = {
+        "8x12": {
+            "stack": [run(10, 0.9), run(20, 0.9), run(30, 0.8)],
+            "llama-server": [run(5, 0.9), run(30, 0.6), run(30, 0.8)],
+        }
+    }
+    summary = summarise(results, "stack", "llama-server")
+    assert summary["wall_ratio_8x12"] == 1.0  # llama-server / stack per pair: 0.5, 1.5, 1.0
+    assert summary["wall_ratio_8x12_range"] == [0.5, 1.5]
+    assert summary["cache_hit_ratio_8x12"] == 1.0  # stack / llama-server: 1.0, 1.5, 1.0
+    assert summary["cache_hit_ratio_8x12_range"] == [1.0, 1.5]
+    assert summary["stack_wall_s_8x12"] == 20 and summary["llama-server_wall_s_8x12"] == 30
+
+
+def test_without_llama_server_the_command_says_how_to_build_it(tmp_path):
+    with pytest.raises(CommandError, match="make llama-server"):
+        call_command("bench_stack", "--llama-server", str(tmp_path / "missing"))
+    with pytest.raises(CommandError, match="8x12,32x10"):
+        call_command("bench_stack", "--scenarios", "8 by 12")
