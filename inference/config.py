@@ -51,9 +51,10 @@ class EngineConfig:
     STEP_TOKEN_BUDGET: int = field(default_factory=lambda: _env_int("STEP_TOKEN_BUDGET", 512))
     # Niceness of the engine thread and llama.cpp's compute threads (0: as the process). Positive lets the
     # short work a turn waits on (the node's task threads, the web process, Postgres, Redis on the same
-    # cores) run as soon as it is ready, while the compute still takes every cycle left: on bench_stack's
-    # 8x12 replay, 10 halved the median time to first token.
-    COMPUTE_NICE: int = field(default_factory=lambda: _env_int("COMPUTE_NICE", 10))
+    # cores) run as soon as it is ready. On bench_stack's 8x12 replay (4 interleaved pairs), 10 cut the
+    # median time to first token by 14% but made the replay 4% slower: preempted compute threads stall
+    # each other at llama.cpp's barriers. Off by default.
+    COMPUTE_NICE: int = field(default_factory=lambda: _env_int("COMPUTE_NICE", 0))
     # CPU threads for llama.cpp (0: all cores).
     N_THREADS: int = field(default_factory=lambda: _env_int("N_THREADS", 0))
     # Layers offloaded to the GPU (-1: all); ignored by a CPU-only build.
