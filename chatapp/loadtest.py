@@ -17,6 +17,7 @@ from django.conf import settings
 from django.db.models import Count, F, Q
 
 from chatapp.api.sessions import session_id_key
+from chatapp.chat_stream_client import read_chat_stream
 from chatapp.experiments.report import percentile
 from chatapp.models import Conversation, Message, Turn
 
@@ -55,19 +56,9 @@ def stream_one(url: str, key: str, session: str, messages: list[dict], max_token
             payload = json.loads(response.read() or b"{}")
             retry = float(response.headers.get("Retry-After") or 0)
             return response.status, {"error": payload.get("error", {}).get("message", ""), "retry_after": retry}
-        text, ttft, error = [], None, ""
-        for raw in response:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            data = json.loads(line[6:])
-            if "error" in data:
-                error = data["error"]["message"]
-            for choice in data.get("choices", []):
-                if piece := choice["delta"].get("content"):
-                    ttft = ttft or (time.perf_counter() - started) * 1000
-                    text.append(piece)
-        return 200, {"text": "".join(text), "ttft_ms": ttft, "error": error}
+        reply = read_chat_stream(response, started)
+        error = reply.error["message"] if reply.error else ""
+        return 200, {"text": reply.text, "ttft_ms": reply.ttft_ms, "error": error}
     finally:
         connection.close()
 

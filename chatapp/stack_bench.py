@@ -20,6 +20,7 @@ from functools import partial
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from chatapp.chat_stream_client import read_chat_stream
 from chatapp.experiments.report import percentile
 from inference.benchmark import paired, run_parallel
 
@@ -102,29 +103,17 @@ def chat_turn(server: Server, session: str, messages: list[dict], max_tokens: in
         response = connection.getresponse()
         if response.status != 200:
             raise RuntimeError(f"{server.name}: HTTP {response.status}: {response.read()[:300]!r}")
-        text: list[str] = []
-        ttft: float | None = None
-        usage: dict = {}
-        for raw in response:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            data = json.loads(line[6:])
-            if "error" in data:
-                raise RuntimeError(f"{server.name}: {data['error']}")
-            for choice in data.get("choices") or []:
-                if piece := (choice.get("delta") or {}).get("content"):
-                    ttft = ttft or (time.perf_counter() - started) * 1000
-                    text.append(piece)
-            usage = data.get("usage") or usage
+        reply = read_chat_stream(response, started)
+        if reply.error:
+            raise RuntimeError(f"{server.name}: {reply.error}")
     finally:
         connection.close()
     return TurnResult(
-        ttft_ms=ttft,
-        text="".join(text),
-        prompt_tokens=usage.get("prompt_tokens", 0),
-        cached_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
-        completion_tokens=usage.get("completion_tokens", 0),
+        ttft_ms=reply.ttft_ms,
+        text=reply.text,
+        prompt_tokens=reply.usage.get("prompt_tokens", 0),
+        cached_tokens=(reply.usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+        completion_tokens=reply.usage.get("completion_tokens", 0),
     )
 
 
