@@ -156,7 +156,8 @@ class NodeBenchmark:
             wall = run_parallel([partial(one, k) for k in range(n)])
             return sum(len(r.token_ids) for r in results) / wall
 
-        single, batched = [], []
+        single: list[float] = []
+        batched: list[float] = []
         for r in range(s.repeats):
             for n in alternating(1, s.batch, r):
                 (single if n == 1 else batched).append(throughput(n, f"decode-{n}-{r}"))
