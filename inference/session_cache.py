@@ -53,7 +53,7 @@ class SessionCache:
         self._runtime = runtime
         self._sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
         # Lowest first: running sequences then tend to have consecutive ids, which llama.cpp decodes in one
-        # micro-batch (see BatchEngine._build_batch).
+        # micro-batch (see Scheduler.schedule).
         self._free_seq_ids = list(range(n_seq))
         self._spill_budget = spill_budget_bytes
         self.spilled_bytes = 0
