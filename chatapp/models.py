@@ -98,7 +98,7 @@ class Turn(models.Model):
     MEASUREMENTS = (
         "prompt_tokens",
         "cached_tokens",
-        "restored_from_ram",
+        "cache_source",
         "completion_tokens",
         "queue_ms",
         "prefill_ms",
@@ -141,7 +141,17 @@ class Turn(models.Model):
     error_code = models.CharField(max_length=32, blank=True)
     prompt_tokens = models.PositiveIntegerField(null=True, blank=True)
     cached_tokens = models.PositiveIntegerField(null=True, blank=True)
-    restored_from_ram = models.BooleanField(default=False, help_text="The session's KV state came back from host RAM.")
+
+    class CacheSource(models.TextChoices):
+        """Where the prompt tokens the node reused came from (inference.session_cache.Residency)."""
+
+        NONE = "none", "nothing reused"
+        RESIDENT = "resident", "resident in the node's context"
+        RAM = "ram", "restored from the node's RAM"
+        DISK = "disk", "restored from the node's disk tier"
+        OTHER_NODE = "other_node", "restored from another node's disk tier"
+
+    cache_source = models.CharField(max_length=16, choices=CacheSource.choices, default=CacheSource.NONE)
     completion_tokens = models.PositiveIntegerField(null=True, blank=True)
     # Waiting in the node's Celery queue plus waiting for a place in the engine's batch.
     queue_ms = models.FloatField(null=True, blank=True)

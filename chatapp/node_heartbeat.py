@@ -14,6 +14,7 @@ from django.db import close_old_connections
 
 from chatapp.turns.recovery import turns_reap, turns_resend_lost
 from inference.engine import Engine
+from router.models import Node
 from router.services import ServedModel, node_heartbeat
 
 logger = logging.getLogger(__name__)
@@ -38,13 +39,14 @@ class Heartbeat:
 
     def beat(self) -> None:
         stats = self.engine.stats()
-        node_heartbeat(
+        status = node_heartbeat(
             name=self.name,
             capacity=self.capacity,
             stats=dataclasses.asdict(stats),
             incarnation=self.incarnation,
             served=self.served,
         )
+        self.engine.set_draining(status == Node.Status.DRAINING)
         turns_reap()
         if stats.running == 0 and stats.waiting == 0:  # idle, so nothing queued for it is merely waiting
             resent = turns_resend_lost(node=self.name)

@@ -11,12 +11,15 @@ back through each request's event queue, and the calling thread passes text on, 
 import logging
 import os
 import queue
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from inference.chat_format import chat_format_for_model
 from inference.config import EngineConfig
+from inference.kv_disk import DiskTier, DiskUsage
 from inference.llama_runtime import LlamaRuntime, NoKVSlot
 from inference.request import Request, RequestState
 from inference.scheduler import Scheduler
@@ -28,6 +31,8 @@ logger = logging.getLogger(__name__)
 
 # How often a waiting caller polls its `should_stop` (a Redis read for a turn).
 CANCEL_POLL_S = 0.1
+# How often the engine looks for an idle session to write to the disk tier.
+WRITE_BEHIND_INTERVAL_S = 0.2
 
 
 class BatchEngine:
@@ -43,12 +48,19 @@ class BatchEngine:
             template=self.runtime.metadata().get("tokenizer.chat_template", ""),
             forced=self.runtime.model_file.chat_template,
         )
+        self.disk = self._open_disk_tier()
         self.sessions = SessionCache(
-            self.runtime, n_seq=config.MAX_RESIDENT_SESSIONS, spill_budget_bytes=config.SPILL_BUDGET_MB * 2**20
+            self.runtime,
+            n_seq=config.MAX_RESIDENT_SESSIONS,
+            spill_budget_bytes=config.SPILL_BUDGET_MB * 2**20,
+            disk=self.disk,
         )
+        self.kv_store = f"{socket.gethostname()}:{self.disk.root.resolve()}" if self.disk is not None else ""
+        self._draining = False
+        self._next_write_behind = 0.0
         self.scheduler = Scheduler(config, self.runtime, self.sessions)
         self._inbox: queue.Queue[Request] = queue.Queue()
-        self._stats = NodeStats(kv_cells_total=self.runtime.kv_size)
+        self._stats = self._collect_stats()
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
@@ -110,10 +122,33 @@ class BatchEngine:
     def stats(self) -> NodeStats:
         return self._stats
 
+    def set_draining(self, draining: bool) -> None:
+        """A draining node's sessions move elsewhere: write each to the disk tier as soon as it is idle."""
+        self._draining = draining
+
     def close(self) -> None:
+        """Stop the engine; with a disk tier, write every resident session's new tokens first."""
         self._closed.set()
         self._thread.join(timeout=10)
+        if self.disk is not None:
+            if not self._thread.is_alive():  # else a step is stuck in llama.cpp: the context is not ours
+                self.sessions.persist_all()
+            self.disk.close()
         self.runtime.close()
+
+    def _open_disk_tier(self) -> DiskTier | None:
+        config = self.config
+        if not config.KV_DISK_PATH or config.KV_DISK_BUDGET_MB <= 0:
+            return None
+        disk = DiskTier(
+            Path(config.KV_DISK_PATH) / self.model,  # one directory per model: its nodes share it
+            budget_bytes=config.KV_DISK_BUDGET_MB * 2**20,
+            fingerprint=self.runtime.state_fingerprint(),
+            writer=config.NODE_NAME,
+        )
+        usage = disk.scan()
+        logger.info("KV disk tier %s holds %d sessions (%.1f MiB)", disk.root, usage.sessions, usage.bytes / 2**20)
+        return disk
 
     # Engine thread -------------------------------------------------------------
 
@@ -138,7 +173,20 @@ class BatchEngine:
                     logger.exception("engine step failed")
                     for request in list(self.scheduler.running):
                         self._fail(request, exc)
+            self._write_behind()
             self._stats = self._collect_stats()
+
+    def _write_behind(self) -> None:
+        """Hand the disk tier one idle session's new tokens, a few times a second at most: the copy out of
+        the context runs here, between steps; the file is written on the tier's own thread."""
+        now = time.monotonic()
+        if self.disk is None or now < self._next_write_behind:
+            return
+        self._next_write_behind = now + WRITE_BEHIND_INTERVAL_S
+        if self._draining:
+            self.sessions.persist_idle(idle_since=now, limit=1)
+        elif self.config.KV_DISK_IDLE_S > 0:
+            self.sessions.persist_idle(idle_since=now - self.config.KV_DISK_IDLE_S, limit=1)
 
     def _take_new(self, *, block: bool) -> None:
         try:
@@ -211,7 +259,7 @@ class BatchEngine:
             finish_reason=reason,
             prompt_tokens=len(request.prompt),
             cached_tokens=request.cached_tokens,
-            restored=request.restored,
+            cache_source=request.residency.value if request.cached_tokens else "none",
             queue_ms=((request.admitted_at or end) - request.submitted_at) * 1000,
             prefill_ms=((request.prefilled_at or end) - (request.admitted_at or end)) * 1000,
             ttft_ms=(first - request.submitted_at) * 1000,
@@ -219,6 +267,7 @@ class BatchEngine:
         )
 
     def _collect_stats(self) -> NodeStats:
+        disk = self.disk.usage() if self.disk is not None else DiskUsage()
         return NodeStats(
             running=sum(1 for r in self.scheduler.running if not r.finished),
             waiting=len(self.scheduler.waiting) + self._inbox.qsize(),
@@ -227,4 +276,6 @@ class BatchEngine:
             kv_cells_used=self.sessions.cells_used(),
             kv_cells_total=self.runtime.kv_size,
             spilled_bytes=self.sessions.spilled_bytes,
+            disk_sessions=disk.sessions,
+            disk_bytes=disk.bytes,
         )

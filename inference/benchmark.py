@@ -126,7 +126,7 @@ class NodeBenchmark:
                 self._generate(f"filler-{i}-{filler}", self.fmt.render([ChatMessage("user", "Hi")]), 1)
             for kind in alternating("restore", "recompute", i):
                 measured[kind] = self._generate(f"cold-{i}" if kind == "restore" else f"recompute-{i}", turn2, 1)
-            if not measured["restore"].restored:
+            if measured["restore"].cache_source != "ram":
                 raise RuntimeError("the spilled session was not restored from RAM")
             restore_ms.append(measured["restore"].prefill_ms)
             recompute_ms.append(measured["recompute"].prefill_ms)

@@ -42,6 +42,18 @@ class EngineConfig:
     KV_SIZE: int = field(default_factory=lambda: _env_int("KV_SIZE", 32768))
     # Host RAM for spilled sessions' KV state, in MiB; the least recently used beyond it are dropped.
     SPILL_BUDGET_MB: int = field(default_factory=lambda: _env_int("SPILL_BUDGET_MB", 2048))
+    # The disk tier: a directory for sessions' KV state files (empty: no disk tier). Nodes that share it
+    # restore each other's sessions, so a session moved to another node, or a restarted one, skips its
+    # prefill. Files from another model file or other context settings are ignored and deleted.
+    KV_DISK_PATH: str = field(default_factory=lambda: os.environ.get("KV_DISK_PATH", "var/kv-cache"))
+    # Disk for one model's files (a subdirectory each), in MiB, over all nodes sharing it; least recently used
+    # files are deleted beyond it.
+    KV_DISK_BUDGET_MB: int = field(default_factory=lambda: _env_int("KV_DISK_BUDGET_MB", 4096))
+    # An idle resident session's new tokens are written after this many seconds (0: only when it is
+    # spilled, and at a clean shutdown). A node that is draining writes every idle session at once.
+    KV_DISK_IDLE_S: float = field(default_factory=lambda: _env_float("KV_DISK_IDLE_S", 10.0))
+    # The node's name, recorded in the files it writes (a restore then says whether another node wrote it).
+    NODE_NAME: str = field(default_factory=lambda: os.environ.get("NODE_NAME", "local"))
     # Generations decoded together; further requests wait. Size the node's thread pool to it.
     MAX_CONCURRENT: int = field(default_factory=lambda: _env_int("MAX_CONCURRENT", 16))
     # The same output for a session whatever else is batched with it: turns off llama.cpp's repacked

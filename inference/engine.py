@@ -20,6 +20,7 @@ class Engine(Protocol):
     model: str  # the served model's name (inference.model_files)
     n_ctx: int
     chat_format: "ChatFormat"
+    kv_store: str  # its disk tier's host and directory ("" without one)
 
     def default_sampling(self) -> Sampling: ...
 
@@ -34,6 +35,10 @@ class Engine(Protocol):
     ) -> Generation: ...
 
     def stats(self) -> NodeStats: ...
+
+    def set_draining(self, draining: bool) -> None: ...
+
+    def close(self) -> None: ...
 
 
 _engine: Engine | None = None

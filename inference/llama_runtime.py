@@ -14,6 +14,7 @@ from llama_cpp._internals import LlamaContext, LlamaModel, LlamaSampler
 from llama_cpp._logger import set_verbose
 
 from inference.config import EngineConfig
+from inference.kv_disk import model_digest
 from inference.types import Sampling
 
 
@@ -65,6 +66,17 @@ class LlamaRuntime:
         self.seq_capacity = llama_cpp.llama_n_ctx_seq(self.ctx)
         self.n_vocab = self.model.n_vocab()
         self._batch = llama_cpp.llama_batch_init(self.batch_capacity, 0, 1)
+        self._kv_unified = config.KV_UNIFIED
+
+    def state_fingerprint(self) -> dict[str, object]:
+        """What a saved sequence state depends on: the weights, llama.cpp's version and the KV layout."""
+        return {
+            "model_sha256": model_digest(self.model_file.path),
+            "llama_cpp": llama_cpp.__version__,
+            "n_ctx_seq": self.seq_capacity,
+            "kv_unified": self._kv_unified,
+            "swa_full": True,
+        }
 
     def close(self) -> None:
         llama_cpp.llama_batch_free(self._batch)

@@ -8,7 +8,7 @@ from enum import Enum
 
 from llama_cpp._internals import LlamaSampler
 
-from inference.session_cache import Session
+from inference.session_cache import Residency, Session
 from inference.text_stream import TextAssembler
 from inference.types import Sampling
 
@@ -38,7 +38,7 @@ class Request:
     generated: list[int] = field(default_factory=list)
     text: TextAssembler | None = None
     cached_tokens: int = 0
-    restored: bool = False
+    residency: Residency = Residency.EMPTY  # where its reused tokens came from
     admitted_at: float = 0.0
     prefilled_at: float = 0.0
     first_token_at: float = 0.0

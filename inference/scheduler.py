@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from inference.config import EngineConfig
 from inference.llama_runtime import BatchEntry, LlamaRuntime
 from inference.request import Request, RequestState
-from inference.session_cache import Residency, Session, SessionCache, common_prefix
+from inference.session_cache import Session, SessionCache, common_prefix
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ class Scheduler:
             if residency is None:
                 self.waiting.appendleft(request)
                 break
-            request.restored = residency is Residency.RESTORED
+            request.residency = residency
             self._start(request, session)
             admission.started.append(request)
         self.waiting.extendleft(reversed(skipped))

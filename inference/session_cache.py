@@ -1,28 +1,40 @@
-"""Session-keyed KV cache: which session owns which sequence, and spilling to host RAM.
+"""Session-keyed KV cache: which session owns which sequence, and its tiers in host RAM and on disk.
 
 A session (a conversation) keeps its tokens' KV state between turns. While
 resident it owns a sequence id in the llama.cpp context; when room is needed
 the least recently used idle session's state is copied to host RAM (and
-dropped from RAM, oldest first, beyond a byte budget). A returning session
-is restored from RAM when that beats recomputing its prefix.
+dropped from RAM, oldest first, beyond a byte budget). With a disk tier
+(`inference.kv_disk`) the spilled state is also written to disk, and so is an
+idle session's (write-behind) and every resident one at a clean shutdown: a
+restarted node, or another node sharing the directory, restores it from there.
+A returning session is restored when that beats recomputing its prefix.
 """
 
 import ctypes
 import heapq
+import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import Enum
 
+from inference.kv_disk import DiskTier
 from inference.llama_runtime import LlamaRuntime
+
+logger = logging.getLogger(__name__)
 
 # Below this many reusable tokens, recomputing is one cheap prefill chunk: drop the spilled state instead.
 MIN_RESTORE_TOKENS = 32
 
 
 class Residency(Enum):
-    KEPT = "kept"  # it was resident already
-    RESTORED = "restored"  # its spilled state was copied back from host RAM
-    EMPTY = "empty"  # new, dropped, or not worth restoring: its prompt is computed afresh
+    """Where a session's reusable tokens came from when its request started (`Generation.cache_source`)."""
+
+    KEPT = "resident"  # it was resident already
+    RAM = "ram"  # its spilled state was copied back from host RAM
+    DISK = "disk"  # read from a file this node wrote (before a restart, too)
+    OTHER_NODE = "other_node"  # read from a file another node sharing the disk tier wrote
+    EMPTY = "none"  # new, dropped, or not worth restoring: its prompt is computed afresh
 
 
 @dataclass(eq=False)
@@ -33,10 +45,18 @@ class Session:
     seq_id: int | None = None
     spilled: ctypes.Array | None = None
     busy: bool = False
+    version: int = 0  # bumped whenever `tokens` change
+    persisted: int = -1  # the version last handed to the disk tier
+    last_used: float = field(default_factory=time.monotonic)
 
     @property
     def resident(self) -> bool:
         return self.seq_id is not None
+
+    @property
+    def dirty(self) -> bool:
+        """Holds tokens the disk tier does not have yet."""
+        return bool(self.tokens) and self.persisted != self.version
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -49,8 +69,11 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class SessionCache:
-    def __init__(self, runtime: LlamaRuntime, *, n_seq: int, spill_budget_bytes: int) -> None:
+    def __init__(
+        self, runtime: LlamaRuntime, *, n_seq: int, spill_budget_bytes: int, disk: DiskTier | None = None
+    ) -> None:
         self._runtime = runtime
+        self._disk = disk
         self._sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
         # Lowest first: running sequences then tend to have consecutive ids, which llama.cpp decodes in one
         # micro-batch (see Scheduler.schedule).
@@ -58,6 +81,7 @@ class SessionCache:
         self._spill_budget = spill_budget_bytes
         self.spilled_bytes = 0
         self.restores = 0
+        self.disk_restores = 0
         self.spills = 0
 
     def get(self, key: str) -> Session:
@@ -77,16 +101,20 @@ class SessionCache:
 
     def release(self, session: Session) -> None:
         session.busy = False
+        session.last_used = time.monotonic()
 
     def truncate(self, session: Session, keep: int) -> None:
         """Keep the first `keep` tokens of a resident session's sequence; drop the rest from the KV cache."""
         assert session.seq_id is not None
         self._runtime.seq_truncate(session.seq_id, keep)
-        del session.tokens[keep:]
+        if keep < len(session.tokens):
+            del session.tokens[keep:]
+            session.version += 1
 
     def extend(self, session: Session, tokens: list[int]) -> None:
         """Record tokens a decode step has just written into the session's sequence."""
         session.tokens.extend(tokens)
+        session.version += 1
 
     def resident_sessions(self) -> list[Session]:
         return [s for s in self._sessions.values() if s.resident]
@@ -122,9 +150,11 @@ class SessionCache:
                 session.seq_id, state
             ):
                 self.restores += 1
-                return Residency.RESTORED
+                return Residency.RAM
             self._runtime.seq_truncate(session.seq_id, 0)
-        session.tokens = []
+        elif (source := self._restore_from_disk(session, prompt)) is not None:
+            return source
+        self._set_tokens(session, [])
         return Residency.EMPTY
 
     def discard(self, session: Session) -> None:
@@ -134,7 +164,52 @@ class SessionCache:
             self._runtime.seq_truncate(session.seq_id, 0)
             heapq.heappush(self._free_seq_ids, session.seq_id)
             session.seq_id = None
-        session.tokens = []
+        self._set_tokens(session, [])
+
+    # The disk tier
+
+    def persist_idle(self, *, idle_since: float, limit: int) -> int:
+        """Hand the disk tier up to `limit` resident sessions that are idle since `idle_since` (monotonic) and
+        hold tokens it lacks, least recently used first; how many were handed over."""
+        handed = 0
+        for session in self._sessions.values():
+            if handed >= limit:
+                break
+            if session.resident and not session.busy and session.dirty and session.last_used <= idle_since:
+                self._persist(session, self._runtime.seq_save(session.seq_id))  # type: ignore[arg-type]
+                handed += 1
+        return handed
+
+    def persist_all(self) -> int:
+        """Hand every resident session's new tokens to the disk tier (at a clean shutdown)."""
+        return self.persist_idle(idle_since=float("inf"), limit=len(self._sessions))
+
+    def _persist(self, session: Session, state: ctypes.Array) -> None:
+        if self._disk is not None and session.dirty:
+            self._disk.put(session.key, list(session.tokens), state)
+            session.persisted = session.version
+
+    def _restore_from_disk(self, session: Session, prompt: list[int]) -> Residency | None:
+        """Load the session's file into its (empty) sequence if it covers enough of the prompt."""
+        if self._disk is None:
+            return None
+        stored = self._disk.load(session.key)
+        if stored is None or common_prefix(stored.tokens, prompt) < MIN_RESTORE_TOKENS:
+            return None
+        assert session.seq_id is not None
+        if not self._runtime.seq_restore(session.seq_id, stored.state):
+            logger.warning("KV disk tier: llama.cpp refused the stored state of %s; deleting it", session.key)
+            self._runtime.seq_truncate(session.seq_id, 0)
+            self._disk.discard(session.key)
+            return None
+        self._set_tokens(session, stored.tokens)
+        session.persisted = session.version  # the disk has exactly these tokens
+        self.disk_restores += 1
+        return Residency.DISK if stored.writer == self._disk.writer else Residency.OTHER_NODE
+
+    def _set_tokens(self, session: Session, tokens: list[int]) -> None:
+        session.tokens = tokens
+        session.version += 1
 
     def _spill(self, session: Session) -> None:
         assert session.seq_id is not None
@@ -142,6 +217,7 @@ class SessionCache:
             session.spilled = self._runtime.seq_save(session.seq_id)
             self.spilled_bytes += len(session.spilled)
             self.spills += 1
+            self._persist(session, session.spilled)
         self._runtime.seq_truncate(session.seq_id, 0)
         heapq.heappush(self._free_seq_ids, session.seq_id)
         session.seq_id = None

@@ -36,7 +36,9 @@ class Generation:
     finish_reason: FinishReason
     prompt_tokens: int
     cached_tokens: int  # prompt tokens whose KV state was reused rather than computed
-    restored: bool  # the session's state came back from host RAM
+    # Where the reused tokens came from: resident, ram, disk, other_node (a file another node wrote), or
+    # none (nothing was reused).
+    cache_source: str
     queue_ms: float  # waiting for a place in the batch
     prefill_ms: float
     ttft_ms: float  # from submission to the first token
@@ -54,6 +56,8 @@ class NodeStats:
     kv_cells_used: int = 0
     kv_cells_total: int = 0
     spilled_bytes: int = 0
+    disk_sessions: int = 0  # files in the disk tier (shared with the nodes using the same directory)
+    disk_bytes: int = 0
 
 
 def check_fits(prompt_tokens: int, max_tokens: int, n_ctx: int) -> None:

@@ -21,6 +21,11 @@ class Node(models.Model):
     chat_template = models.CharField(max_length=32, blank=True, help_text="Template family (gemma, chatml, llama3).")
     n_ctx = models.PositiveIntegerField(default=0, help_text="Context tokens one session can hold.")
     max_reply_tokens = models.PositiveIntegerField(default=0)
+    kv_store = models.CharField(
+        max_length=600,
+        blank=True,
+        help_text="Its KV disk tier (host:directory); nodes sharing one restore each other's sessions.",
+    )
     # Sessions currently assigned here: the load that bounded-load hashing balances.
     sessions = models.IntegerField(default=0)
     stats = models.JSONField(default=dict, blank=True, help_text="The engine's latest NodeStats.")

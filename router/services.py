@@ -34,6 +34,7 @@ class ServedModel:
     chat_template: str
     n_ctx: int
     max_reply_tokens: int
+    kv_store: str = ""  # where its disk tier is (host:path); nodes sharing one restore each other's sessions
 
 
 def queue_for_node(name: str) -> str:
@@ -54,10 +55,13 @@ def prefix_routing_key(prefix: Sequence[int] | str) -> str:
 # Registry -----------------------------------------------------------------------
 
 
-def node_heartbeat(*, name: str, capacity: int, stats: dict[str, Any], incarnation: str, served: ServedModel) -> None:
+def node_heartbeat(
+    *, name: str, capacity: int, stats: dict[str, Any], incarnation: str, served: ServedModel
+) -> Node.Status | None:
     """Register the node (up, if new) or refresh its heartbeat and stats, if `incarnation` is the process
     serving under this name. A node marked unresponsive while it was alive (stalled) is up again; a
-    drained or downed node stays so. A heartbeat from a process that another has replaced changes nothing."""
+    drained or downed node stays so. A heartbeat from a process that another has replaced changes nothing.
+    Returns the node's status (None: another process serves under the name)."""
     now = timezone.now()
     fields = {"queue": queue_for_node(name), "capacity": capacity, "stats": stats, "last_heartbeat": now}
     fields |= dataclasses.asdict(served)
@@ -65,14 +69,17 @@ def node_heartbeat(*, name: str, capacity: int, stats: dict[str, Any], incarnati
         node, created = Node.objects.select_for_update().get_or_create(
             name=name, defaults=fields | {"incarnation": incarnation, "started_at": now, "status": Node.Status.UP}
         )
-        if created or node.incarnation not in (incarnation, ""):
-            return
+        if created:
+            return Node.Status.UP
+        if node.incarnation not in (incarnation, ""):
+            return None
         for field, value in fields.items():
             setattr(node, field, value)
         node.incarnation = incarnation
         if node.status == Node.Status.UNRESPONSIVE:
             node.status = Node.Status.UP
         node.save(update_fields=[*fields, "incarnation", "status"])
+        return Node.Status(node.status)
 
 
 def node_start(*, name: str, capacity: int, incarnation: str, served: ServedModel) -> None:
@@ -181,6 +188,8 @@ def session_node(*, session_key: str, policy: str | None = None, model: str | No
             .get(session_key=session_key)
         )
         current = assignment.node.name if assignment.node.name in by_name else None
+        if current is None:  # it must leave its node: prefer those that can restore its state from disk
+            loads = [n for n in loads if _shares_state(by_name[n.name], assignment.node)] or loads
         choice = chooser.choose(session_key=session_key, current=current, nodes=loads)
         if choice.node != assignment.node.name:
             _move(assignment, by_name[choice.node], choice.reason if current else _why_moved(assignment.node, model))
@@ -193,7 +202,7 @@ def _healthy_nodes_and_current(session_key: str, model: str | None) -> tuple[lis
     nodes = list(
         Node.objects.raw(
             """
-            SELECT n.id, n.name, n.queue, n.status, n.capacity, n.sessions, n.last_heartbeat, n.model,
+            SELECT n.id, n.name, n.queue, n.status, n.capacity, n.sessions, n.last_heartbeat, n.model, n.kv_store,
                    EXISTS (SELECT 1 FROM router_sessionassignment a
                            WHERE a.session_key = %s AND a.node_id = n.id) AS is_current
             FROM router_node n
@@ -205,6 +214,11 @@ def _healthy_nodes_and_current(session_key: str, model: str | None) -> tuple[lis
     )
     current = next((n.name for n in nodes if n.is_current), None)  # type: ignore[attr-defined]
     return nodes, current
+
+
+def _shares_state(node: Node, old: Node) -> bool:
+    """`node` reads the disk tier `old` wrote its sessions to, and serves the same model."""
+    return bool(old.kv_store) and node.kv_store == old.kv_store and node.model == old.model
 
 
 def _why_moved(node: Node, model: str | None) -> str:

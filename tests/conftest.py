@@ -2,6 +2,7 @@
 
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -9,6 +10,7 @@ import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -25,8 +27,11 @@ from tests.factories import NodeFactory, UserFactory
 
 ROOT = Path(__file__).resolve().parent.parent
 OUTPUT_DIR = ROOT / "test-output"
+# The suite's nodes share one disk tier of their own, new for each run.
+NODE_KV_DIR = OUTPUT_DIR / "kv-cache" / uuid.uuid4().hex[:8]
 # Short replies keep the suite fast; greedy decoding keeps it deterministic.
 NODE_ENV = {
+    "KV_DISK_PATH": str(NODE_KV_DIR),
     "MAX_REPLY_TOKENS": "24",
     "TEMPERATURE": "0",
     "N_CTX": "4096",
@@ -42,17 +47,20 @@ def model_file() -> ModelFile:
     return EngineConfig().model_file()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _remove_node_kv_dir() -> Iterator[None]:
+    yield
+    shutil.rmtree(NODE_KV_DIR, ignore_errors=True)
+
+
+# What the in-process test engines run with: small, so that spilling and chunked prefill happen quickly.
+SMALL_ENGINE = EngineConfig(N_CTX=1024, MAX_RESIDENT_SESSIONS=4, MAX_CONCURRENT=8, STEP_TOKEN_BUDGET=64, N_THREADS=2)
+
+
 @pytest.fixture(scope="session")
-def engine(model_file: ModelFile) -> Iterator[BatchEngine]:
-    """An engine in the test process, small so that spilling and chunked prefill happen quickly."""
-    config = EngineConfig(
-        N_CTX=1024,
-        MAX_RESIDENT_SESSIONS=4,
-        MAX_CONCURRENT=8,
-        STEP_TOKEN_BUDGET=64,
-        N_THREADS=2,
-    )
-    engine = BatchEngine(config)
+def engine(model_file: ModelFile, tmp_path_factory: pytest.TempPathFactory) -> Iterator[BatchEngine]:
+    """An engine in the test process, with a disk tier of its own."""
+    engine = BatchEngine(replace(SMALL_ENGINE, KV_DISK_PATH=str(tmp_path_factory.mktemp("kv"))))
     yield engine
     engine.close()
 

@@ -263,7 +263,7 @@ def turn_finish(*, turn: Turn, generation: "Generation") -> Turn | None:
             locked.finish_reason = generation.finish_reason
             locked.prompt_tokens = generation.prompt_tokens
             locked.cached_tokens = generation.cached_tokens
-            locked.restored_from_ram = generation.restored
+            locked.cache_source = generation.cache_source
             locked.queue_ms = (locked.queue_ms or 0) + generation.queue_ms
             locked.completion_tokens = len(generation.token_ids)
             locked.prefill_ms = generation.prefill_ms

@@ -50,7 +50,7 @@ def test_follow_up_prefills_only_the_new_turn(engine):
     assert follow_up.cached_tokens == len(prompt1) + len(reply.token_ids)
     new_turn_tokens = len(prompt2) - len(prompt1) - len(reply.token_ids)  # markers + "Are you sure?"
     assert follow_up.prompt_tokens - follow_up.cached_tokens == new_turn_tokens
-    assert not follow_up.restored
+    assert follow_up.cache_source == "resident"
 
 
 def test_greedy_output_is_the_same_whether_reused_or_restored_and_recomputing_is_deterministic(engine):
@@ -70,7 +70,7 @@ def test_greedy_output_is_the_same_whether_reused_or_restored_and_recomputing_is
     _two_turns(engine, "spilled", QUESTIONS[1])
     _spill_everything(engine, "restore")
     restored = engine.generate(session_key="spilled", prompt=prompt2, sampling=GREEDY)
-    assert restored.restored and restored.cached_tokens > 0
+    assert restored.cache_source == "ram" and restored.cached_tokens > 0
 
     assert reused.cached_tokens > 0
     assert reused.token_ids == restored.token_ids
@@ -115,7 +115,7 @@ def test_more_sessions_than_fit_all_complete_and_come_back_with_their_cache(engi
     assert len(results) == len(sessions)
     assert all(r.finish_reason in {"stop", "length"} for r in results.values())
     assert engine.sessions.spills > spills_before
-    restored = [s for s, r in results.items() if r.restored]
+    restored = [s for s, r in results.items() if r.cache_source == "ram"]
     assert restored, "no session came back from host RAM"
     for session in restored:
         prompt1, reply, _ = first_turns[session]

@@ -40,6 +40,23 @@ def test_a_draining_node_takes_no_sessions_and_its_sessions_move(nodes):
     assert all(services.session_node(session_key=f"new{i}") != node for i in range(20))
 
 
+def test_a_session_leaving_its_node_goes_where_its_kv_state_can_be_restored(db):
+    """Nodes that share the left node's disk tier can restore the session; one elsewhere would recompute."""
+    Node.objects.update(status=Node.Status.DOWN)
+    left = NodeFactory.create(kv_store="host-1:/var/kv")
+    neighbour = NodeFactory.create(kv_store="host-1:/var/kv")
+    elsewhere = [NodeFactory.create(kv_store=f"host-{i}:/var/kv") for i in (2, 3)]
+    keys = [f"s{i}" for i in range(12)]
+    for key in keys:
+        services.assignment_move(session_key=key, node_name=left.name)
+    services.node_set_status(name=left.name, status=Node.Status.DRAINING)
+
+    assert {services.session_node(session_key=key).name for key in keys} == {neighbour.name}
+    # A new session is placed by load as before, on any of them.
+    placed = {services.session_node(session_key=f"new{i}").name for i in range(30)}
+    assert placed == {neighbour.name, *(n.name for n in elsewhere)}
+
+
 def test_a_node_that_misses_heartbeats_is_reaped_and_its_sessions_move(nodes, settings):
     node = services.session_node(session_key="s")
     Node.objects.filter(pk=node.pk).update(last_heartbeat=timezone.now() - timedelta(seconds=60))

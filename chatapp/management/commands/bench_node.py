@@ -1,5 +1,7 @@
 import json
+import tempfile
 import time
+from dataclasses import replace
 
 from django.core.management.base import BaseCommand
 
@@ -7,6 +9,7 @@ from chatapp.datasets import chitchat_conversations
 from inference.batch_engine import BatchEngine
 from inference.benchmark import BenchSettings, NodeBenchmark, rounded
 from inference.config import EngineConfig
+from inference.disk_tier_benchmark import DiskTierBenchmark
 
 TARGETS = {
     "warm_cold_ttft_ratio": ">= 15",
@@ -14,6 +17,9 @@ TARGETS = {
     "restore_vs_recompute": "<= 0.1",
     "batch16_decode_speedup": ">= 2.5",
     "replay_speedup_vs_llama_cpp_python": ">= 4",
+    "restart_restore_vs_recompute": "<= 0.1",
+    "move_restore_vs_recompute": "<= 0.2",
+    "disk_tier_decode_slowdown": "<= 0.05",
 }
 
 
@@ -47,17 +53,21 @@ class Command(BaseCommand):
             progress=(lambda m: None) if as_json else (lambda m: self.stderr.write(f"... {m}")),
         )
         config = EngineConfig()
-        config = EngineConfig(
-            MAX_RESIDENT_SESSIONS=max(config.MAX_RESIDENT_SESSIONS, settings.batch, settings.replay_sessions),
-            MAX_CONCURRENT=max(config.MAX_CONCURRENT, settings.batch, settings.replay_sessions),
-        )
         conversations = list(chitchat_conversations(min_messages=2))
         started = time.perf_counter()
-        engine = BatchEngine(config)
-        try:
-            results = NodeBenchmark(engine, conversations, settings).run()
-        finally:
-            engine.close()
+        with tempfile.TemporaryDirectory(prefix="bench-node-kv-") as kv_dir:  # not the nodes' own disk tier
+            config = replace(
+                config,
+                MAX_RESIDENT_SESSIONS=max(config.MAX_RESIDENT_SESSIONS, settings.batch, settings.replay_sessions),
+                MAX_CONCURRENT=max(config.MAX_CONCURRENT, settings.batch, settings.replay_sessions),
+                KV_DISK_PATH=kv_dir if config.KV_DISK_PATH else "",
+            )
+            engine = BatchEngine(config)
+            try:
+                results = NodeBenchmark(engine, conversations, settings).run()
+            finally:
+                engine.close()
+        results |= DiskTierBenchmark(config, conversations, settings).run()
         results["bench_wall_s"] = time.perf_counter() - started
         if as_json:
             self.stdout.write(json.dumps({k: rounded(v) for k, v in results.items()}))

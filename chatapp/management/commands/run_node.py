@@ -37,7 +37,7 @@ class Command(BaseCommand):
     def handle(self, *, name: str, concurrency: int, model: str, loglevel: str, **options):
         require_services()
         started = time.perf_counter()
-        config = EngineConfig(MODEL=model)
+        config = EngineConfig(MODEL=model, NODE_NAME=name)
         try:
             engine = get_engine(config)
         except (ModelNotFound, UnsupportedTemplate) as exc:
@@ -48,6 +48,7 @@ class Command(BaseCommand):
             chat_template=engine.chat_format.template,
             n_ctx=engine.n_ctx,
             max_reply_tokens=config.MAX_REPLY_TOKENS,
+            kv_store=engine.kv_store,
         )
         self.stdout.write(
             f"node {name}: {engine.name} engine loaded {engine.model} ({served.chat_template} template, "
@@ -75,3 +76,4 @@ class Command(BaseCommand):
             heartbeat.stop()
             if node_stop(name=name, incarnation=incarnation()) and (handed := turns_hand_off(node=name)):
                 self.stdout.write(f"node {name}: handed off {handed} queued turns")
+            engine.close()  # writes its resident sessions to the disk tier, for whoever serves them next
