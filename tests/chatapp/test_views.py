@@ -62,6 +62,12 @@ def test_log_in_create_a_conversation_and_chat(client, node):
     assert f'id="message-{reply.pk}"' in page
     assert "prompt tokens" in page
 
+    # The follow-up reuses the first turn's tokens, and its inspector says from where.
+    follow_up = wait_for_turn(admission.turn_start(conversation=conversation, text="And pears?"))
+    assert follow_up.cache_source == Turn.CacheSource.RESIDENT
+    page = client.get(reverse("chat:conversation_detail", args=[conversation.pk])).content.decode()
+    assert f"{follow_up.cached_tokens} reused, resident in the node&#x27;s context;" in page
+
 
 def test_a_refused_message_shows_why_and_stores_nothing(client, user):
     client.force_login(user)
