@@ -59,7 +59,7 @@ class TurnAdmin(admin.ModelAdmin):
     """Read-only: a turn is written only through its transitions (chatapp.turns.lifecycle)."""
 
     list_display = ("id", "conversation", "status", "model", "node", "strategy", *TURN_MEASUREMENTS, "created_at")
-    list_filter = ("status", "model", "node", "strategy", "created_at")
+    list_filter = ("status", "model", "node", "strategy", "cache_source", "created_at")
     search_fields = ("user_message__content", "assistant_message__content", "error")
     list_select_related = ("conversation",)
     raw_id_fields = ("conversation", "user_message", "assistant_message")

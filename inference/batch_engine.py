@@ -83,6 +83,8 @@ class BatchEngine:
         check_fits(len(prompt), sampling.max_tokens, self.n_ctx)
         if not prompt:
             raise ValueError("The prompt is empty.")
+        if self.disk is not None and not cancelled and not self.sessions.holds(session_key):
+            self.disk.prefetch(session_key)  # the file is read here, off the engine thread
         request = Request(session_key=session_key, prompt=list(prompt), sampling=sampling)
         if cancelled:
             request.cancel()

@@ -8,9 +8,10 @@ does not match or a short file mean it is ignored, logged and deleted. The token
 prompt the state covers; the caller restores only a common prefix.
 
 Files are written by one background thread (the engine thread only hands over a buffer it already has),
-to a temporary name and then renamed, so a reader never sees half a file. Beyond the budget the least
-recently used files go first: a read touches a file's time, and the writer enforces the budget over the
-whole directory, whichever node wrote the files.
+to a temporary name and then renamed, so a reader never sees half a file. Reads can happen ahead, on the
+thread that submits a request (`prefetch`), so the engine thread only copies the state into the context.
+Beyond the budget the least recently used files go first: a read touches a file's time, and the writer
+enforces the budget over the whole directory, whichever node wrote the files.
 """
 
 import ctypes
@@ -34,6 +35,7 @@ MAGIC = b"CHATKV\x00\x01"
 _LENGTH = struct.Struct("<I")
 SUFFIX = ".kv"
 USAGE_REFRESH_S = 5.0
+READ_AHEAD_MAX = 8  # states read ahead and not yet taken (a request's session turned out resident, say)
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,7 @@ class DiskTier:
         self._usage = DiskUsage()
         self._usage_counted_at = 0.0
         self._pending: OrderedDict[str, tuple[list[int], ctypes.Array]] = OrderedDict()
+        self._read_ahead: OrderedDict[str, StoredState] = OrderedDict()
         self._writing = 0
         self._cond = threading.Condition()
         self._closed = False
@@ -143,8 +146,22 @@ class DiskTier:
             self._reject(path, exc)
             return None
 
+    def prefetch(self, key: str) -> None:
+        """Read `key`'s state now, on this thread, for the `load` that will follow shortly."""
+        if (stored := self._read(key)) is not None:
+            with self._cond:
+                self._read_ahead[key] = stored
+                while len(self._read_ahead) > READ_AHEAD_MAX:
+                    self._read_ahead.popitem(last=False)
+
     def load(self, key: str) -> StoredState | None:
-        """`key`'s stored state, checked whole; None if there is none or it is unusable (then deleted)."""
+        """`key`'s stored state, checked whole (read ahead, or now); None if there is none or it is unusable
+        (then deleted)."""
+        with self._cond:
+            stored = self._read_ahead.pop(key, None)
+        return stored if stored is not None else self._read(key)
+
+    def _read(self, key: str) -> StoredState | None:
         path = self.path_for(key)
         try:
             with path.open("rb") as f:

@@ -116,6 +116,12 @@ class SessionCache:
         session.tokens.extend(tokens)
         session.version += 1
 
+    def holds(self, key: str) -> bool:
+        """Whether `key`'s state is in the context or in RAM. Any thread may ask: the answer may be stale by
+        the time the engine thread acts, which costs at most a needless read of its file."""
+        session = self._sessions.get(key)
+        return session is not None and (session.resident or session.spilled is not None)
+
     def resident_sessions(self) -> list[Session]:
         return [s for s in self._sessions.values() if s.resident]
 

@@ -17,6 +17,7 @@ class NodeAdmin(admin.ModelAdmin):
         "capacity",
         "running",
         "kv_used",
+        "on_disk",
         "last_heartbeat",
     )
     list_filter = ("status", "model")
@@ -32,6 +33,7 @@ class NodeAdmin(admin.ModelAdmin):
         "chat_template",
         "n_ctx",
         "max_reply_tokens",
+        "kv_store",
     )
     actions = ["drain", "mark_down", "mark_up"]
 
@@ -47,12 +49,18 @@ class NodeAdmin(admin.ModelAdmin):
     def kv_used(self, node: Node) -> str:
         return f"{node.stats.get('kv_cells_used', 0)} / {node.stats.get('kv_cells_total', 0)}"
 
+    @admin.display(description="disk tier")
+    def on_disk(self, node: Node) -> str:
+        """The sessions and MiB in the disk tier this node uses (shared with the nodes using the same one)."""
+        sessions, size = node.stats.get("disk_sessions", 0), node.stats.get("disk_bytes", 0) / 2**20
+        return f"{sessions} sessions, {size:.0f} MiB" if node.kv_store else "off"
+
     def _set(self, request: HttpRequest, queryset: QuerySet[Node], status: Node.Status, verb: str) -> None:
         for node in queryset:
             services.node_set_status(name=node.name, status=status)
         self.message_user(request, f"{queryset.count()} node(s) {verb}.", messages.SUCCESS)
 
-    @admin.action(description="Drain: take no new sessions, let running turns finish")
+    @admin.action(description="Drain: take no new sessions, let running turns finish, write sessions to disk")
     def drain(self, request: HttpRequest, queryset: QuerySet[Node]) -> None:
         self._set(request, queryset, Node.Status.DRAINING, "draining")
 
