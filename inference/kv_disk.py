@@ -63,6 +63,11 @@ class CorruptFile(ValueError):
     pass
 
 
+def _well_formed(header: dict) -> bool:
+    counts = all(isinstance(header.get(k), int) and header[k] >= 0 for k in ("n_tokens", "state_bytes", "crc32"))
+    return counts and all(isinstance(header.get(k), str) for k in ("session", "writer"))
+
+
 def _token_list(raw: bytes) -> list[int]:
     tokens = array("i")
     tokens.frombytes(raw)
@@ -134,18 +139,6 @@ class DiskTier:
             self._cond.notify_all()
         self._thread.join(timeout=10)
 
-    def peek_tokens(self, key: str) -> list[int] | None:
-        """The token ids `key`'s file holds, without its state; None if there is no usable file."""
-        path = self.path_for(key)
-        try:
-            with path.open("rb") as f:
-                return _token_list(self._read_tokens(f, self._read_header(f)))
-        except FileNotFoundError:
-            return None
-        except (OSError, CorruptFile) as exc:
-            self._reject(path, exc)
-            return None
-
     def prefetch(self, key: str) -> None:
         """Read `key`'s state now, on this thread, for the `load` that will follow shortly."""
         if (stored := self._read(key)) is not None:
@@ -168,10 +161,12 @@ class DiskTier:
                 header = self._read_header(f)
                 if header["session"] != key:
                     raise CorruptFile(f"holds session {header['session']!r}, not {key!r}")
-                raw_tokens = self._read_tokens(f, header)
-                state = (ctypes.c_uint8 * header["state_bytes"])()
-                if f.readinto(memoryview(state)) != len(state):
-                    raise CorruptFile("the file is shorter than its header says")
+                n_tokens, state_bytes = header["n_tokens"], header["state_bytes"]
+                if f.tell() + 4 * n_tokens + state_bytes != os.fstat(f.fileno()).st_size:
+                    raise CorruptFile("the file's size is not what its header says")
+                raw_tokens = f.read(4 * n_tokens)
+                state = (ctypes.c_uint8 * state_bytes)()
+                f.readinto(memoryview(state))
             if zlib.crc32(state, zlib.crc32(raw_tokens)) != header["crc32"]:
                 raise CorruptFile("checksum mismatch")
             os.utime(path)  # recently used: the budget evicts it last
@@ -190,12 +185,14 @@ class DiskTier:
     def _read_header(self, f) -> dict[str, Any]:
         if f.read(len(MAGIC)) != MAGIC:
             raise CorruptFile("not a session state file of this version")
-        (length,) = _LENGTH.unpack(f.read(_LENGTH.size) or b"\0\0\0\0")
+        length = f.read(_LENGTH.size)
+        if len(length) != _LENGTH.size:
+            raise CorruptFile("the file ends in its header")
         try:
-            header = json.loads(f.read(length))
+            header = json.loads(f.read(_LENGTH.unpack(length)[0]))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise CorruptFile("unreadable header") from exc
-        if not isinstance(header, dict) or not {"session", "n_tokens", "state_bytes", "crc32"} <= header.keys():
+        if not isinstance(header, dict) or not _well_formed(header):
             raise CorruptFile("incomplete header")
         if header.get("fingerprint") != self.fingerprint:
             mismatched = sorted(
@@ -203,12 +200,6 @@ class DiskTier:
             )
             raise CorruptFile(f"computed for another {', '.join(mismatched) or 'setup'}")
         return header
-
-    def _read_tokens(self, f, header: dict[str, Any]) -> bytes:
-        raw = f.read(4 * header["n_tokens"])
-        if len(raw) != 4 * header["n_tokens"]:
-            raise CorruptFile("the file is shorter than its header says")
-        return raw
 
     def _reject(self, path: Path, why: Exception) -> None:
         logger.warning("KV disk tier: ignoring and deleting %s: %s", path.name, why)
