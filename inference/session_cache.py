@@ -80,8 +80,6 @@ class SessionCache:
         self._free_seq_ids = list(range(n_seq))
         self._spill_budget = spill_budget_bytes
         self.spilled_bytes = 0
-        self.restores = 0
-        self.disk_restores = 0
         self.spills = 0
 
     def get(self, key: str) -> Session:
@@ -155,7 +153,6 @@ class SessionCache:
             if common_prefix(session.tokens, prompt) >= MIN_RESTORE_TOKENS and self._runtime.seq_restore(
                 session.seq_id, state
             ):
-                self.restores += 1
                 return Residency.RAM
             self._runtime.seq_truncate(session.seq_id, 0)
         elif (source := self._restore_from_disk(session, prompt)) is not None:
@@ -177,6 +174,8 @@ class SessionCache:
     def persist_idle(self, *, idle_since: float, limit: int) -> int:
         """Hand the disk tier up to `limit` resident sessions that are idle since `idle_since` (monotonic) and
         hold tokens it lacks, least recently used first; how many were handed over."""
+        if self._disk is None:
+            return 0
         handed = 0
         for session in self._sessions.values():
             if handed >= limit:
@@ -210,7 +209,6 @@ class SessionCache:
             return None
         self._set_tokens(session, stored.tokens)
         session.persisted = session.version  # the disk has exactly these tokens
-        self.disk_restores += 1
         return Residency.DISK if stored.writer == self._disk.writer else Residency.OTHER_NODE
 
     def _set_tokens(self, session: Session, tokens: list[int]) -> None:
