@@ -1,21 +1,61 @@
-from django.contrib import admin
+from django.contrib import admin, messages
+from django.db.models import QuerySet
+from django.http import HttpRequest
 
 from chatapp.api.keys import api_key_revoke
 from chatapp.models import ApiKey, Conversation, Message, Summary, Turn, UserFact
+from chatapp.services import message_set_flags
+from chatapp.turns.lifecycle import turn_cancel, turn_retry
+from chatapp.validation import TurnRejected
+from router.admin import ReadOnly
 
-TURN_MEASUREMENTS = Turn.MEASUREMENTS
+# A turn's measurements as an operator reads them: counts, where reused tokens came from, rounded times.
+TURN_MEASUREMENTS = (
+    "prompt_tokens",
+    "cached_tokens",
+    "cache_source",
+    "completion_tokens",
+    "queue",
+    "prefill",
+    "first_token",
+    "decode_speed",
+)
+
+
+def _ms(value: float | None) -> str:
+    return "" if value is None else f"{value:,.0f} ms"
+
+
+class TurnTimings:
+    """Display columns for a turn's timings, rounded and with units (the fields hold raw floats)."""
+
+    @admin.display(description="queue", ordering="queue_ms")
+    def queue(self, turn: Turn) -> str:
+        return _ms(turn.queue_ms)
+
+    @admin.display(description="prefill", ordering="prefill_ms")
+    def prefill(self, turn: Turn) -> str:
+        return _ms(turn.prefill_ms)
+
+    @admin.display(description="time to first token", ordering="ttft_ms")
+    def first_token(self, turn: Turn) -> str:
+        return _ms(turn.ttft_ms)
+
+    @admin.display(description="decoding", ordering="decode_tokens_per_s")
+    def decode_speed(self, turn: Turn) -> str:
+        return "" if turn.decode_tokens_per_s is None else f"{turn.decode_tokens_per_s:.1f} tokens/s"
 
 
 class MessageInline(admin.TabularInline):
     model = Message
     fields = ("role", "content", "pinned", "excluded", "created_at")
-    readonly_fields = ("role", "content", "created_at")
+    readonly_fields = fields  # pins and exclusions: the message list's actions
     extra = 0
     can_delete = False
     show_change_link = True
 
 
-class TurnInline(admin.TabularInline):
+class TurnInline(TurnTimings, admin.TabularInline):
     model = Turn
     fk_name = "conversation"
     fields = ("status", "model", "node", "strategy", "finish_reason", *TURN_MEASUREMENTS, "created_at")
@@ -40,9 +80,11 @@ class ConversationAdmin(admin.ModelAdmin):
 
 
 @admin.register(Message)
-class MessageAdmin(admin.ModelAdmin):
+class MessageAdmin(ReadOnly, admin.ModelAdmin):
+    """Messages are written by the chat; pins and exclusions go through the same service as the chat page."""
+
     list_display = ("id", "conversation", "role", "short_content", "pinned", "excluded", "created_at")
-    list_editable = ("pinned", "excluded")
+    actions = ["pin_messages", "unpin_messages", "exclude_messages", "include_messages"]
     list_filter = ("role", "pinned", "excluded", "created_at")
     search_fields = ("content",)
     list_select_related = ("conversation",)
@@ -53,10 +95,34 @@ class MessageAdmin(admin.ModelAdmin):
     def short_content(self, obj: Message) -> str:
         return obj.content[:80]
 
+    def _flag(self, request: HttpRequest, queryset: QuerySet[Message], **flags: bool) -> None:
+        for message in queryset:
+            try:
+                message_set_flags(message=message, **flags)
+            except TurnRejected as exc:
+                self.message_user(request, f"Message {message.pk}: {exc}", messages.ERROR)
+
+    @admin.action(description="Pin: always resend")
+    def pin_messages(self, request: HttpRequest, queryset: QuerySet[Message]) -> None:
+        self._flag(request, queryset, pinned=True)
+
+    @admin.action(description="Unpin")
+    def unpin_messages(self, request: HttpRequest, queryset: QuerySet[Message]) -> None:
+        self._flag(request, queryset, pinned=False)
+
+    @admin.action(description="Exclude: never resend")
+    def exclude_messages(self, request: HttpRequest, queryset: QuerySet[Message]) -> None:
+        self._flag(request, queryset, excluded=True)
+
+    @admin.action(description="Include again")
+    def include_messages(self, request: HttpRequest, queryset: QuerySet[Message]) -> None:
+        self._flag(request, queryset, excluded=False)
+
 
 @admin.register(Turn)
-class TurnAdmin(admin.ModelAdmin):
-    """Read-only: a turn is written only through its transitions (chatapp.turns.lifecycle)."""
+class TurnAdmin(ReadOnly, TurnTimings, admin.ModelAdmin):
+    """Read-only: a turn is written only through its transitions (chatapp.turns.lifecycle), which the
+    actions call with the product's own checks."""
 
     list_display = ("id", "conversation", "status", "model", "node", "strategy", *TURN_MEASUREMENTS, "created_at")
     list_filter = ("status", "model", "node", "strategy", "cache_source", "created_at")
@@ -79,11 +145,23 @@ class TurnAdmin(admin.ModelAdmin):
         "finished_at",
     )
 
-    def has_add_permission(self, request) -> bool:
-        return False
+    actions = ["cancel", "retry"]
 
-    def has_change_permission(self, request, obj=None) -> bool:
-        return False
+    @admin.action(description="Cancel: a queued turn at once, a running one at its next token")
+    def cancel(self, request: HttpRequest, queryset: QuerySet[Turn]) -> None:
+        for turn in queryset:
+            turn_cancel(turn=turn)
+        self.message_user(request, f"Asked {queryset.count()} turn(s) to stop; finished ones stay as they were.")
+
+    @admin.action(description="Retry: send a failed reply again, as the chat page's Retry does")
+    def retry(self, request: HttpRequest, queryset: QuerySet[Turn]) -> None:
+        for turn in queryset:
+            try:
+                turn_retry(turn=turn)
+            except TurnRejected as exc:
+                self.message_user(request, f"Turn {turn.pk}: {exc}", messages.ERROR)
+            else:
+                self.message_user(request, f"Turn {turn.pk} sent again.", messages.SUCCESS)
 
 
 @admin.register(UserFact)
@@ -94,7 +172,7 @@ class UserFactAdmin(admin.ModelAdmin):
 
 
 @admin.register(Summary)
-class SummaryAdmin(admin.ModelAdmin):
+class SummaryAdmin(ReadOnly, admin.ModelAdmin):
     list_display = (
         "id",
         "conversation",

@@ -6,8 +6,19 @@ from router import services
 from router.models import AssignmentMove, Node, SessionAssignment
 
 
+class ReadOnly:
+    """Written by the product only (nodes register and heartbeat, the router assigns and moves, services
+    write turns): the admin shows it, and changes go through actions that call the same services."""
+
+    def has_add_permission(self, request, obj=None) -> bool:
+        return False
+
+    def has_change_permission(self, request, obj=None) -> bool:
+        return False
+
+
 @admin.register(Node)
-class NodeAdmin(admin.ModelAdmin):
+class NodeAdmin(ReadOnly, admin.ModelAdmin):
     list_display = (
         "name",
         "model",
@@ -88,7 +99,7 @@ class SessionAssignmentAdmin(admin.ModelAdmin):
 
 
 @admin.register(AssignmentMove)
-class AssignmentMoveAdmin(admin.ModelAdmin):
+class AssignmentMoveAdmin(ReadOnly, admin.ModelAdmin):
     list_display = ("session_key", "from_node", "to_node", "reason", "created_at")
     list_filter = ("reason", "to_node")
     search_fields = ("session_key",)

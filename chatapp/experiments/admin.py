@@ -5,14 +5,11 @@ from django.urls import reverse
 from django.utils.html import format_html
 
 from chatapp.experiments.models import Experiment, ReplayTurn, Run
+from router.admin import ReadOnly
 
 
-class ReadOnlyAdmin(admin.ModelAdmin):
-    def has_add_permission(self, request, obj=None) -> bool:
-        return False
-
-    def has_change_permission(self, request, obj=None) -> bool:
-        return False
+class ReadOnlyAdmin(ReadOnly, admin.ModelAdmin):
+    pass
 
 
 class RunInline(admin.TabularInline):
