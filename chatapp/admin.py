@@ -5,6 +5,7 @@ from django.http import HttpRequest
 from chatapp.api.keys import api_key_revoke
 from chatapp.models import ApiKey, Conversation, Message, Summary, Turn, UserFact
 from chatapp.services import message_set_flags
+from chatapp.session_timeline import render_timeline
 from chatapp.turns.lifecycle import turn_cancel, turn_retry
 from chatapp.validation import TurnRejected
 from router.admin import ReadOnly
@@ -73,6 +74,12 @@ class ConversationAdmin(admin.ModelAdmin):
     list_select_related = ("owner",)
     raw_id_fields = ("owner",)
     inlines = [MessageInline, TurnInline]
+    readonly_fields = ("session_timeline",)
+
+    @admin.display(description="session timeline")
+    def session_timeline(self, conversation: Conversation) -> str:
+        """Its turns in order, the router's moves between them, and prompt and computed tokens per turn."""
+        return render_timeline(conversation) if conversation.pk else ""
 
     def get_search_results(self, request, queryset, search_term):
         queryset, _ = super().get_search_results(request, queryset, search_term)

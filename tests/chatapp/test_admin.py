@@ -82,3 +82,21 @@ def test_timings_are_rounded_and_carry_their_units(admin_client, idle_node, url)
     page = admin_client.get(reverse(url, args=args)).content.decode()
     assert "92 ms" in page and "1,234 ms" in page and "41.3 tokens/s" in page
     assert "92.388" not in page
+
+
+def test_a_conversations_page_shows_its_session_timeline_with_the_routers_moves(admin_client, idle_node):
+    conversation = ConversationFactory.create()
+    first = admission.turn_start(conversation=conversation, text="one")
+    turn_fail(turn_id=first.pk, attempt=first.attempt, error="the node fell over")
+    Turn.objects.filter(pk=first.pk).update(prompt_tokens=40, cached_tokens=0, ttft_ms=120.4)
+    NodeFactory.create(name="other")
+    assignment_move(session_key=conversation.session_key, node_name="other", reason="node down or draining")
+    second = admission.turn_start(conversation=conversation, text="two")
+    assert second.node == "other"
+
+    page = admin_client.get(reverse("admin:chatapp_conversation_change", args=[conversation.pk])).content.decode()
+    timeline = page.split("Session timeline", 1)[1]
+    moved = timeline.index("router moved the session from idle to other: node down or draining")
+    assert timeline.index(f"<td>{first.pk}</td>") < moved < timeline.index(f"<td>{second.pk}</td>")
+    assert "40 / 0 / 40" in timeline and "120 ms" in timeline
+    assert 'src="data:image/png;base64,' in timeline
