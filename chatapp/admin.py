@@ -5,7 +5,7 @@ from django.http import HttpRequest
 from chatapp.api.keys import api_key_revoke
 from chatapp.models import ApiKey, Conversation, Message, Summary, Turn, UserFact
 from chatapp.services import message_set_flags
-from chatapp.session_timeline import render_timeline
+from chatapp.session_timeline import milliseconds, render_timeline
 from chatapp.turns.lifecycle import turn_cancel, turn_retry
 from chatapp.validation import TurnRejected
 from router.admin import ReadOnly
@@ -23,24 +23,20 @@ TURN_MEASUREMENTS = (
 )
 
 
-def _ms(value: float | None) -> str:
-    return "" if value is None else f"{value:,.0f} ms"
-
-
 class TurnTimings:
     """Display columns for a turn's timings, rounded and with units (the fields hold raw floats)."""
 
     @admin.display(description="queue", ordering="queue_ms")
     def queue(self, turn: Turn) -> str:
-        return _ms(turn.queue_ms)
+        return milliseconds(turn.queue_ms)
 
     @admin.display(description="prefill", ordering="prefill_ms")
     def prefill(self, turn: Turn) -> str:
-        return _ms(turn.prefill_ms)
+        return milliseconds(turn.prefill_ms)
 
     @admin.display(description="time to first token", ordering="ttft_ms")
     def first_token(self, turn: Turn) -> str:
-        return _ms(turn.ttft_ms)
+        return milliseconds(turn.ttft_ms)
 
     @admin.display(description="decoding", ordering="decode_tokens_per_s")
     def decode_speed(self, turn: Turn) -> str:

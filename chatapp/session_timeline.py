@@ -12,6 +12,11 @@ from chatapp.models import Conversation, Turn
 from router.models import AssignmentMove
 
 
+def milliseconds(value: float | None) -> str:
+    """A time as operators read it: "1,234 ms" (the fields hold raw floats)."""
+    return "" if value is None else f"{value:,.0f} ms"
+
+
 def session_timeline(conversation: Conversation) -> list[Turn | AssignmentMove]:
     """Turns and moves of the conversation's session, oldest first (two queries)."""
     turns = list(conversation.turns.order_by("created_at"))
@@ -63,7 +68,6 @@ def _row(entry: Turn | AssignmentMove) -> SafeString:
             entry.reason,
         )
     tokens = f"{entry.prompt_tokens} / {entry.cached_tokens} / {entry.computed_tokens}" if entry.prompt_tokens else ""
-    first_token = f"{entry.ttft_ms:,.0f} ms" if entry.ttft_ms is not None else ""
     return format_html(
         "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
         when,
@@ -73,5 +77,5 @@ def _row(entry: Turn | AssignmentMove) -> SafeString:
         entry.strategy,
         tokens,
         entry.get_cache_source_display() if entry.cached_tokens else "",
-        first_token,
+        milliseconds(entry.ttft_ms),
     )

@@ -15,6 +15,7 @@ enforces the budget over the whole directory, whichever node wrote the files.
 """
 
 import ctypes
+import functools
 import hashlib
 import json
 import logging
@@ -75,7 +76,14 @@ def _token_list(raw: bytes) -> list[int]:
 
 
 def model_digest(path: Path) -> str:
-    """The model file's identity: a state computed with other weights must never be reused."""
+    """The model file's identity: a state computed with other weights must never be reused. Hashed once per
+    process for a file of the same size and time (in-process engines, as in tests and benchmarks)."""
+    stat = path.stat()
+    return _file_sha256(path, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.cache
+def _file_sha256(path: Path, size: int, mtime_ns: int) -> str:
     with path.open("rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
