@@ -213,7 +213,7 @@ def test_a_clean_shutdown_hands_off_its_queued_turns(test_database, with_spare):
         for k in range(3):
             conversation = ConversationFactory.create()
             assignment_move(session_key=conversation.session_key, node_name=leaving)
-            sampling = {"max_tokens": 60 if k == 0 else 8, "temperature": 0}
+            sampling = {"max_tokens": 300 if k == 0 else 8, "temperature": 0}  # outlasts starting the others
             turns.append(admission.turn_start(conversation=conversation, text=LONG_PROMPT, sampling=sampling))
         wait_until(lambda: Turn.objects.get(pk=turns[0].pk).status == Turn.Status.RUNNING, what="the first reply")
         Node.objects.filter(name__in=names[1:]).update(status=Node.Status.UP)
