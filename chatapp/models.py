@@ -124,6 +124,9 @@ class Turn(models.Model):
     node_incarnation = models.CharField(max_length=32, blank=True)
     # Bumped each time the turn is sent again (its node died); an older attempt writes nothing.
     attempt = models.PositiveIntegerField(default=0)
+    # The attempts before the current one, oldest first: {attempt, node, incarnation, status, error,
+    # queued_at, started_at, ended_at, why}, each appended when the turn is sent again.
+    earlier_attempts = models.JSONField(default=list, blank=True)
     strategy = models.CharField(max_length=64, blank=True)
     # The conversation's overrides when queued; the node records the full options it assembled with.
     strategy_options = models.JSONField(default=dict, blank=True)

@@ -47,8 +47,11 @@ ALLOWED: dict[str, set[str]] = {
 
 def _locked(turn_id: int, *, to: str | None, attempt: int | None = None) -> Turn | None:
     """The turn, locked for this transaction, if it may move to `to` (None: stay running) and is still at
-    `attempt` (None: any); else None. Call inside `transaction.atomic()`."""
-    turn = Turn.objects.select_for_update(of=("self",)).select_related("conversation").get(pk=turn_id)
+    `attempt` (None: any); else None (also once its conversation was deleted). Call inside
+    `transaction.atomic()`."""
+    turn = Turn.objects.select_for_update(of=("self",)).select_related("conversation").filter(pk=turn_id).first()
+    if turn is None:
+        return None
     if attempt is not None and turn.attempt != attempt:
         return None
     allowed = turn.status == Status.RUNNING if to is None else to in ALLOWED[turn.status]
@@ -87,14 +90,17 @@ def _dispatch(turn: Turn) -> None:
         logger.warning("turn %s not queued yet (%s); its node will pick it up", turn.pk, exc)
 
 
-def _queue(turn: Turn, *, node: str) -> None:
-    """Make the locked turn a new attempt queued on `node`; once committed, fence off older attempts and
-    queue the task."""
+def _queue(turn: Turn, *, node: str, why: str) -> None:
+    """Make the locked turn a new attempt queued on `node`, keeping the one it ends in its attempt history;
+    once committed, fence off older attempts and queue the task."""
+    now = timezone.now()
+    turn.earlier_attempts = [*turn.earlier_attempts, _attempt_record(turn, ended_at=now, why=why)]
     turn.node, turn.node_incarnation = node, ""
     turn.status, turn.error, turn.error_code = Status.QUEUED, "", ""
-    turn.finished_at, turn.queued_at = None, timezone.now()
+    turn.finished_at, turn.queued_at = None, now
     turn.attempt += 1
     fields = ["node", "node_incarnation", "status", "error", "error_code", "finished_at", "attempt", "queued_at"]
+    fields.append("earlier_attempts")
     turn.save(update_fields=fields)
     attempt = turn.attempt
 
@@ -106,6 +112,21 @@ def _queue(turn: Turn, *, node: str) -> None:
         _dispatch(turn)
 
     transaction.on_commit(side_effects)
+
+
+def _attempt_record(turn: Turn, *, ended_at, why: str) -> dict[str, Any]:
+    """The turn's current attempt as its history keeps it."""
+    return {
+        "attempt": turn.attempt,
+        "node": turn.node,
+        "incarnation": turn.node_incarnation,
+        "status": turn.status,
+        "error": turn.error,
+        "queued_at": turn.queued_at.isoformat(),
+        "started_at": turn.started_at.isoformat() if turn.started_at else None,
+        "ended_at": ended_at.isoformat(),
+        "why": why,
+    }
 
 
 # The web: a new turn, retry, cancel -------------------------------------------------
@@ -147,7 +168,7 @@ def turn_retry(*, turn: Turn) -> None:
             node = session_node(session_key=locked.conversation.session_key, model=locked.model)
         except NoHealthyNode as exc:
             raise NoNodeUp(str(exc)) from exc
-        _queue(locked, node=node.name)
+        _queue(locked, node=node.name, why="retried")
 
 
 def turn_cancel(*, turn: Turn) -> None:
@@ -167,10 +188,12 @@ def turn_cancel(*, turn: Turn) -> None:
 # Recovery: a new attempt, or a clear failure ---------------------------------------
 
 
-def turn_resend(*, turn_id: int, attempt: int, still: Callable[[Turn], bool] = lambda turn: True) -> bool | None:
-    """Route an unfinished turn again and queue it as a new attempt, if it is still at `attempt` and `still`
-    holds under its row lock: True if sent, None if stale (finished, moved on, or `still` fails), False
-    if no node is up to take it."""
+def turn_resend(
+    *, turn_id: int, attempt: int, why: str, still: Callable[[Turn], bool] = lambda turn: True
+) -> bool | None:
+    """Route an unfinished turn again and queue it as a new attempt (`why` goes in its attempt history), if
+    it is still at `attempt` and `still` holds under its row lock: True if sent, None if stale (finished,
+    moved on, or `still` fails), False if no node is up to take it."""
     with transaction.atomic():
         turn = _locked(turn_id, to=Status.QUEUED, attempt=attempt)
         if turn is None or turn.status == Status.FAILED or not still(turn):
@@ -179,7 +202,7 @@ def turn_resend(*, turn_id: int, attempt: int, still: Callable[[Turn], bool] = l
             node = session_node(session_key=turn.conversation.session_key, model=turn.model)
         except NoHealthyNode:
             return False
-        _queue(turn, node=node.name)
+        _queue(turn, node=node.name, why=why)
     return True
 
 

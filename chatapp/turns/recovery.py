@@ -53,7 +53,10 @@ def turns_reap(*, turn_id: int | None = None) -> int:
     handled = 0
     for turn in _orphans(turns).only("pk", "attempt", "queued_at", "node"):
         heard_at = turn.node_heard_at  # type: ignore[attr-defined]
-        handled += _send_again_or_fail(turn, since=max(filter(None, [turn.queued_at, heard_at])))
+        since = max(filter(None, [turn.queued_at, heard_at]))
+        replaced = turn.serving_incarnation is not None  # type: ignore[attr-defined]
+        why = f"node {turn.node} " + ("restarted" if replaced else "went down or stopped answering")
+        handled += _send_again_or_fail(turn, since=since, why=why)
     return handled
 
 
@@ -63,7 +66,12 @@ def turns_resend_lost(*, node: str) -> int:
     cutoff = timezone.now() - timedelta(seconds=settings.CHAT_LOST_TURN_SECONDS)
     lost = _unfinished().filter(node=node, status=Turn.Status.QUEUED, queued_at__lt=cutoff)
     return sum(
-        bool(turn_resend(turn_id=t.pk, attempt=t.attempt, still=lambda turn: turn.queued_at < cutoff)) for t in lost
+        bool(
+            turn_resend(
+                turn_id=t.pk, attempt=t.attempt, why="its task was lost", still=lambda turn: turn.queued_at < cutoff
+            )
+        )
+        for t in lost
     )
 
 
@@ -72,7 +80,8 @@ def turns_take_back(*, node: str) -> int:
     unfinished (their tasks died with them, or were acknowledged and lost). Sticky routing usually brings
     them back to this node, each as a new attempt."""
     left = _unfinished().filter(node=node).only("pk", "attempt", "queued_at")
-    return sum(_send_again_or_fail(turn, since=turn.queued_at) for turn in left)
+    why = f"node {node} restarted"
+    return sum(_send_again_or_fail(turn, since=turn.queued_at, why=why) for turn in left)
 
 
 def turns_hand_off(*, node: str) -> int:
@@ -80,7 +89,7 @@ def turns_hand_off(*, node: str) -> int:
     turns to other nodes, or fail them clearly when there is none."""
     handed = 0
     for turn in _unfinished().filter(node=node).only("pk", "attempt"):
-        sent = turn_resend(turn_id=turn.pk, attempt=turn.attempt)
+        sent = turn_resend(turn_id=turn.pk, attempt=turn.attempt, why=f"node {node} shut down")
         if sent is False:
             sent = turn_fail(
                 turn_id=turn.pk,
@@ -92,8 +101,8 @@ def turns_hand_off(*, node: str) -> int:
     return handed
 
 
-def _send_again_or_fail(turn: Turn, *, since: datetime) -> int:
-    sent = turn_resend(turn_id=turn.pk, attempt=turn.attempt)
+def _send_again_or_fail(turn: Turn, *, since: datetime, why: str) -> int:
+    sent = turn_resend(turn_id=turn.pk, attempt=turn.attempt, why=why)
     if sent is not False:
         if sent:
             logger.warning("turn %s: node %s is gone; sent again as attempt %d", turn.pk, turn.node, turn.attempt + 1)

@@ -45,7 +45,7 @@ def test_the_declared_transitions_are_the_only_ones():
 
 def test_a_stale_attempt_writes_nothing_to_postgres(db, idle_node):
     stale = running_turn(idle_node)
-    assert lifecycle.turn_resend(turn_id=stale.pk, attempt=0) is True  # its node was lost: attempt 1
+    assert lifecycle.turn_resend(turn_id=stale.pk, attempt=0, why="its node was lost") is True  # attempt 1
     assert lifecycle.turn_claim(turn_id=stale.pk, attempt=0, node="old", incarnation="a") is None
     assert not lifecycle.turn_record_prompt(turn=stale, fields={"prompt_text": "stale"})
     assert lifecycle.turn_finish(turn=stale, generation=generation("stale reply")) is None
@@ -53,6 +53,10 @@ def test_a_stale_attempt_writes_nothing_to_postgres(db, idle_node):
     turn = Turn.objects.get(pk=stale.pk)
     assert (turn.status, turn.attempt, turn.prompt_text, turn.error) == (Turn.Status.QUEUED, 1, "", "")
     assert not Message.objects.filter(role="assistant").exists()
+    [earlier] = turn.earlier_attempts  # the attempt history keeps the one that was cut short
+    assert (earlier["attempt"], earlier["node"], earlier["status"]) == (0, idle_node.name, Turn.Status.RUNNING)
+    assert (earlier["incarnation"], earlier["why"]) == (stale.node_incarnation, "its node was lost")
+    assert earlier["started_at"] and earlier["ended_at"] >= earlier["started_at"]
 
     current = lifecycle.turn_claim(turn_id=turn.pk, attempt=1, node=idle_node.name, incarnation="b")
     assert current is not None
