@@ -1,6 +1,7 @@
 """Writes: conversations, their settings, message flags and facts. A turn's own writes live in
 `chatapp.turns` (admission to start one, lifecycle for everything after)."""
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -9,13 +10,18 @@ from django.conf import settings
 from django.contrib.auth.models import User
 from django.core.exceptions import ImproperlyConfigured
 from django.db import transaction
+from kombu.exceptions import KombuError
+from redis.exceptions import RedisError
 
 from chatapp import quotas
 from chatapp.memory.registry import strategy_aliases, strategy_get
-from chatapp.models import Conversation, Message, UserFact
+from chatapp.models import Conversation, Message, Turn, UserFact
+from chatapp.turns.lifecycle import turn_cancel
 from chatapp.validation import TurnRejected, check_message_text, without_control_characters
 from inference.model_files import PACKAGED
-from router.services import known_models
+from router.services import assignment_end, known_models, queue_for_node
+
+logger = logging.getLogger(__name__)
 
 
 def check_strategy(alias: str, options: dict | None = None) -> str:
@@ -53,6 +59,29 @@ def conversation_create(
         strategy_options=strategy_options or {},
         model=check_model(model or settings.CHAT_DEFAULT_MODEL),
     )
+
+
+def conversation_delete(*, conversation: Conversation) -> None:
+    """Delete a conversation with its messages, turns and summaries. A reply being written stops; the
+    router forgets its session, and the node it was on drops the session's cached state (context, RAM and
+    disk tier) once the deletion is committed."""
+    for turn in conversation.turns.exclude(status__in=Turn.FINISHED):
+        turn_cancel(turn=turn)
+    key = conversation.session_key
+    with transaction.atomic():
+        node = assignment_end(session_key=key)
+        conversation.delete()
+        if node is not None:
+            transaction.on_commit(lambda: _end_sessions_on(node, [key, f"{key}:summary"]))
+
+
+def _end_sessions_on(node: str, session_keys: list[str]) -> None:
+    from chatapp.tasks import end_sessions  # the tasks module imports the node side
+
+    try:
+        end_sessions.apply_async(args=(session_keys,), queue=queue_for_node(node))
+    except (KombuError, RedisError, OSError) as exc:  # broker down: the node's caches evict the state in time
+        logger.warning("node %s not told to end sessions %s (%s)", node, session_keys, exc)
 
 
 def conversation_set_model(*, conversation: Conversation, model: str) -> None:

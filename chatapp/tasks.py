@@ -27,3 +27,11 @@ def generate(self: Task, turn_id: int, attempt: int = 0) -> None:
     # The worker runs as `<node>@<host>` (see run_node), so its node name is the hostname's first part.
     node = (self.request.hostname or "unknown").split("@", 1)[0]
     turn_generate(turn_id=turn_id, attempt=attempt, engine=get_engine(), node=node, incarnation=incarnation())
+
+
+@app.task(name="chatapp.end_sessions")
+def end_sessions(session_keys: list[str]) -> None:
+    """Forget these sessions' cached state on this node (their conversation was deleted)."""
+    engine = get_engine()
+    for key in session_keys:
+        engine.end_session(key)

@@ -23,7 +23,7 @@ from inference.kv_disk import DiskTier, DiskUsage
 from inference.llama_runtime import LlamaRuntime, NoKVSlot
 from inference.request import Request, RequestState
 from inference.scheduler import Scheduler
-from inference.session_cache import SessionCache
+from inference.session_cache import Residency, SessionCache
 from inference.text_stream import TextAssembler
 from inference.types import FinishReason, Generation, NodeStats, Sampling, check_fits
 
@@ -60,6 +60,8 @@ class BatchEngine:
         self._next_write_behind = 0.0
         self.scheduler = Scheduler(config, self.runtime, self.sessions)
         self._inbox: queue.Queue[Request] = queue.Queue()
+        self._ending: queue.Queue[str] = queue.Queue()  # sessions to forget (engine thread)
+        self._ending_later: set[str] = set()  # ... once their running request has ended
         self._stats = self._collect_stats()
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
@@ -124,6 +126,16 @@ class BatchEngine:
     def stats(self) -> NodeStats:
         return self._stats
 
+    def end_session(self, session_key: str) -> None:
+        """Forget the session's state, in the context, in RAM and on disk, soon (after a request it runs)."""
+        self._ending.put(session_key)
+
+    def session_places(self, limit: int) -> dict[str, str]:
+        places = {key: place.value for key, place in self.sessions.places().items()}
+        on_disk = self.disk.sessions() if self.disk is not None else []
+        listed = {**places, **{key: Residency.DISK.value for key in on_disk if key not in places}}
+        return dict(list(listed.items())[:limit])
+
     def set_draining(self, draining: bool) -> None:
         """A draining node's sessions move elsewhere: write each to the disk tier as soon as it is idle."""
         self._draining = draining
@@ -176,7 +188,17 @@ class BatchEngine:
                     for request in list(self.scheduler.running):
                         self._fail(request, exc)
             self._write_behind()
+            self._end_sessions()
             self._stats = self._collect_stats()
+
+    def _end_sessions(self) -> None:
+        try:
+            while True:
+                self._ending_later.add(self._ending.get_nowait())
+        except queue.Empty:
+            pass
+        if self._ending_later:
+            self._ending_later = {key for key in self._ending_later if not self.sessions.forget(key)}
 
     def _write_behind(self) -> None:
         """Hand the disk tier one idle session's new tokens, a few times a second at most: the copy out of

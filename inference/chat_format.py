@@ -74,6 +74,10 @@ class ChatFormat:
         """The prompt's tokens: the template's layout, each piece tokenized on its own."""
         return self._tokens(layout(self.spec, messages, generation_prompt=add_generation_prompt))
 
+    def annotated(self, messages: Sequence[ChatMessage]) -> list[tuple[Piece, int]]:
+        """The prompt's pieces in order, each with the number of its tokens in `render`'s output."""
+        return [(piece, len(self._tokens([piece]))) for piece in layout(self.spec, messages)]
+
     def count(self, messages: Sequence[ChatMessage]) -> int:
         """Tokens these messages add to a prompt; additive, so segments can be measured one by one.
         Each message is counted once per process (strategies measure the same history every turn)."""

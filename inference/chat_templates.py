@@ -90,6 +90,8 @@ class Piece:
     marker: bool = False
     token_ids: tuple[int, ...] | None = None
     bos: bool = False
+    # The index of the message it belongs to in the laid-out list (None: the template's own).
+    owner: int | None = None
 
 
 def message_pieces(spec: TemplateSpec, message: ChatMessage) -> list[Piece]:
@@ -107,8 +109,8 @@ def layout(spec: TemplateSpec, messages: Sequence[ChatMessage], *, generation_pr
     if spec.default_system and (not messages or messages[0].role != "system"):
         pieces += message_pieces(spec, ChatMessage("system", spec.default_system))
     held: list[Piece] = []  # system texts waiting for the first user turn ("first_user" templates)
-    for message in messages:
-        own = message_pieces(spec, message)
+    for index, message in enumerate(messages):
+        own = [replace(piece, owner=index) for piece in message_pieces(spec, message)]
         if message.role == "system" and spec.system == "first_user":
             held += own
             continue

@@ -88,6 +88,11 @@ def _file_sha256(path: Path, size: int, mtime_ns: int) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
+def file_name(key: str) -> str:
+    """The file that holds `key`'s state, in any node's disk tier directory."""
+    return hashlib.blake2b(key.encode(), digest_size=16).hexdigest() + SUFFIX
+
+
 class DiskTier:
     def __init__(self, root: Path, *, budget_bytes: int, fingerprint: dict[str, Any], writer: str) -> None:
         self.root = root
@@ -100,6 +105,7 @@ class DiskTier:
         self._usage_counted_at = 0.0
         self._pending: OrderedDict[str, tuple[list[int], ctypes.Array]] = OrderedDict()
         self._read_ahead: OrderedDict[str, StoredState] = OrderedDict()
+        self._known: dict[str, str] = {}  # file name -> session, for the files this node wrote, read or checked
         self._writing = 0
         self._cond = threading.Condition()
         self._closed = False
@@ -109,7 +115,19 @@ class DiskTier:
     # Any thread -------------------------------------------------------------------
 
     def path_for(self, key: str) -> Path:
-        return self.root / (hashlib.blake2b(key.encode(), digest_size=16).hexdigest() + SUFFIX)
+        return self.root / file_name(key)
+
+    def sessions(self) -> list[str]:
+        """The sessions with a file here, among those this node wrote, read or checked at its start."""
+        with self._cond:
+            return list(self._known.values())
+
+    def _know(self, path: Path, key: str | None) -> None:
+        with self._cond:
+            if key is None:
+                self._known.pop(path.name, None)
+            else:
+                self._known[path.name] = key
 
     def usage(self) -> DiskUsage:
         """Files and bytes in the directory, whichever node wrote them (counted again every few seconds)."""
@@ -122,7 +140,7 @@ class DiskTier:
         for path in self.root.glob("*" + SUFFIX):
             try:
                 with path.open("rb") as f:
-                    self._read_header(f)
+                    self._know(path, self._read_header(f)["session"])
             except (OSError, CorruptFile) as exc:
                 self._reject(path, exc)
         self._enforce_budget()
@@ -179,14 +197,22 @@ class DiskTier:
                 raise CorruptFile("checksum mismatch")
             os.utime(path)  # recently used: the budget evicts it last
         except FileNotFoundError:
+            self._know(path, None)
             return None
         except (OSError, CorruptFile) as exc:
             self._reject(path, exc)
             return None
+        self._know(path, key)
         return StoredState(tokens=_token_list(raw_tokens), state=state, writer=header["writer"])
 
     def discard(self, key: str) -> None:
-        self.path_for(key).unlink(missing_ok=True)
+        """Delete `key`'s file, and any write of it still waiting."""
+        with self._cond:
+            self._pending.pop(key, None)
+            self._read_ahead.pop(key, None)
+        path = self.path_for(key)
+        path.unlink(missing_ok=True)
+        self._know(path, None)
 
     # Reading and checking ----------------------------------------------------------
 
@@ -212,6 +238,7 @@ class DiskTier:
     def _reject(self, path: Path, why: Exception) -> None:
         logger.warning("KV disk tier: ignoring and deleting %s: %s", path.name, why)
         path.unlink(missing_ok=True)
+        self._know(path, None)
 
     # Writer thread --------------------------------------------------------------------
 
@@ -255,11 +282,14 @@ class DiskTier:
             f.write(raw_tokens)
             f.write(memoryview(state))
         os.replace(temporary, path)
+        self._know(path, key)
         self.writes.append(WriteRecord(bytes=path.stat().st_size, ms=(time.perf_counter() - started) * 1000))
 
     def _files(self) -> list[tuple[float, int, str]]:
         """(last used, size, path) of every state file in the directory, least recently used first."""
         files = []
+        with self._cond:
+            gone = set(self._known)
         for entry in os.scandir(self.root):
             if entry.name.endswith(SUFFIX):
                 try:
@@ -267,6 +297,10 @@ class DiskTier:
                 except FileNotFoundError:  # another node deleted it meanwhile
                     continue
                 files.append((stat.st_mtime, stat.st_size, entry.path))
+                gone.discard(entry.name)
+        with self._cond:  # deleted by another node, or by the budget
+            for name in gone:
+                self._known.pop(name, None)
         self._usage_counted_at = time.monotonic()
         return sorted(files)
 
@@ -277,6 +311,7 @@ class DiskTier:
         while files and total > self.budget_bytes:
             _, size, path = files.pop(0)
             Path(path).unlink(missing_ok=True)
+            self._know(Path(path), None)
             total -= size
         self._usage = _count(files)
 

@@ -120,6 +120,15 @@ class SessionCache:
         session = self._sessions.get(key)
         return session is not None and (session.resident or session.spilled is not None)
 
+    def places(self) -> dict[str, Residency]:
+        """Where each session in memory is: resident in the context, or spilled to RAM. Any thread may ask
+        (a snapshot of the dict, taken at once under the GIL)."""
+        return {
+            key: Residency.KEPT if s.resident else Residency.RAM
+            for key, s in list(self._sessions.items())
+            if s.resident or s.spilled is not None
+        }
+
     def resident_sessions(self) -> list[Session]:
         return [s for s in self._sessions.values() if s.resident]
 
@@ -168,6 +177,22 @@ class SessionCache:
             heapq.heappush(self._free_seq_ids, session.seq_id)
             session.seq_id = None
         self._set_tokens(session, [])
+
+    def forget(self, key: str) -> bool:
+        """Drop all that is kept for `key`: its sequence, its copy in RAM and its file (its conversation was
+        deleted). False while it runs a request: ask again once that has ended."""
+        session = self._sessions.get(key)
+        if session is not None:
+            if session.busy:
+                return False
+            if session.spilled is not None:
+                self.spilled_bytes -= len(session.spilled)
+                session.spilled = None
+            self.discard(session)
+            del self._sessions[key]
+        if self._disk is not None:
+            self._disk.discard(key)
+        return True
 
     # The disk tier
 

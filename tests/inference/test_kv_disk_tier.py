@@ -183,3 +183,21 @@ def test_a_full_budget_deletes_the_least_recently_used_first(tmp_path):
 
     assert {k for k in "abcd" if tier.path_for(k).exists()} == {"a", "c", "d"}
     assert tier.usage().sessions == 3
+
+
+def test_an_ended_session_is_forgotten_in_the_context_in_ram_and_on_disk(engines):
+    engine = engines("node-a", MAX_RESIDENT_SESSIONS=1)
+    _conversation(engine, "deleted")
+    assert engine.session_places(10) == {"deleted": "resident"}
+    _conversation(engine, "kept")  # the only sequence goes to "kept": "deleted" is spilled to RAM, and to disk
+    assert engine.session_places(10) == {"kept": "resident", "deleted": "ram"}
+    wait_until(lambda: engine.disk.flush(1) and engine.disk.path_for("deleted").exists(), 10, "the spill's write")
+
+    engine.end_session("deleted")
+
+    wait_until(lambda: "deleted" not in engine.session_places(10), 10, "the session to be forgotten")
+    assert not engine.disk.path_for("deleted").exists()
+    assert engine.sessions.spilled_bytes == 0
+    assert engine.session_places(10) == {"kept": "resident"}
+    prompt, _ = _conversation(engine, "deleted")  # the key can be used again, from nothing
+    assert engine.generate(session_key="deleted", prompt=prompt, sampling=GREEDY).cache_source == "resident"
