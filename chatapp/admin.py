@@ -2,13 +2,16 @@ from django.contrib import admin, messages
 from django.db.models import QuerySet
 from django.http import HttpRequest
 
+from chatapp import turn_inspection
+from chatapp.admin_filters import CacheHitFilter, MovedFilter, NodeFilter, TroubleFilter, cache_hit_ratio
 from chatapp.api.keys import api_key_revoke
 from chatapp.models import ApiKey, Conversation, Message, Summary, Turn, UserFact
-from chatapp.services import message_set_flags
-from chatapp.session_timeline import milliseconds, render_timeline
+from chatapp.services import conversation_delete, message_set_flags
+from chatapp.session_timeline import milliseconds, render_recent_turns, render_timeline
 from chatapp.turns.lifecycle import turn_cancel, turn_retry
 from chatapp.validation import TurnRejected
-from router.admin import ReadOnly
+from router.admin import NodeAdmin, ReadOnly
+from router.models import Node
 
 # A turn's measurements as an operator reads them: counts, where reused tokens came from, rounded times.
 TURN_MEASUREMENTS = (
@@ -64,13 +67,30 @@ class TurnInline(TurnTimings, admin.TabularInline):
 
 @admin.register(Conversation)
 class ConversationAdmin(admin.ModelAdmin):
-    list_display = ("id", "title", "owner", "source", "model", "strategy", "created_at", "updated_at")
-    list_filter = ("source", "model", "strategy", "created_at")
+    list_display = ("id", "title", "owner", "source", "model", "strategy", "cache_hit", "created_at", "updated_at")
+    list_filter = (
+        "source",
+        "model",
+        "strategy",
+        NodeFilter,
+        TroubleFilter,
+        CacheHitFilter,
+        MovedFilter,
+        "created_at",
+    )
     search_fields = ("title", "owner__username", "messages__content")
     list_select_related = ("owner",)
     raw_id_fields = ("owner",)
     inlines = [MessageInline, TurnInline]
     readonly_fields = ("session_timeline",)
+
+    def get_queryset(self, request):
+        return super().get_queryset(request).annotate(cache_hit=cache_hit_ratio())
+
+    @admin.display(description="cache hit", ordering="cache_hit")
+    def cache_hit(self, conversation: Conversation) -> str:
+        ratio = conversation.cache_hit  # type: ignore[attr-defined]
+        return "" if ratio is None else f"{ratio:.0%}"
 
     @admin.display(description="session timeline")
     def session_timeline(self, conversation: Conversation) -> str:
@@ -80,6 +100,20 @@ class ConversationAdmin(admin.ModelAdmin):
     def get_search_results(self, request, queryset, search_term):
         queryset, _ = super().get_search_results(request, queryset, search_term)
         return queryset.distinct(), False
+
+    def get_deleted_objects(self, objs, request):
+        """Its turns, messages and summaries go with it through the deletion service, although they cannot
+        be deleted on their own in the admin."""
+        deleted, counts, _, protected = super().get_deleted_objects(objs, request)
+        return deleted, counts, set(), protected
+
+    def delete_model(self, request: HttpRequest, obj: Conversation) -> None:
+        """Through the product's deletion: its running reply stops, and its session ends on its node."""
+        conversation_delete(conversation=obj)
+
+    def delete_queryset(self, request: HttpRequest, queryset: QuerySet[Conversation]) -> None:
+        for conversation in queryset:
+            conversation_delete(conversation=conversation)
 
 
 @admin.register(Message)
@@ -125,30 +159,72 @@ class MessageAdmin(ReadOnly, admin.ModelAdmin):
 @admin.register(Turn)
 class TurnAdmin(ReadOnly, TurnTimings, admin.ModelAdmin):
     """Read-only: a turn is written only through its transitions (chatapp.turns.lifecycle), which the
-    actions call with the product's own checks."""
+    actions call with the product's own checks. Its page reads like the chat page's inspector."""
 
     list_display = ("id", "conversation", "status", "model", "node", "strategy", *TURN_MEASUREMENTS, "created_at")
     list_filter = ("status", "model", "node", "strategy", "cache_source", "created_at")
     search_fields = ("user_message__content", "assistant_message__content", "error")
     list_select_related = ("conversation",)
-    raw_id_fields = ("conversation", "user_message", "assistant_message")
-    readonly_fields = (
-        *TURN_MEASUREMENTS,
-        "strategy_options",
-        "trace",
-        "prompt_hash",
-        "prompt_text",
-        "prompt_token_ids",
-        "attempt",
-        "node_incarnation",
-        "api_key",
-        "error_code",
-        "created_at",
-        "started_at",
-        "finished_at",
+    fieldsets = (
+        (None, {"fields": ("links", "status", "model", "node", "strategy", "finish_reason", "error", "created_at")}),
+        ("Cost", {"fields": TURN_MEASUREMENTS}),
+        ("What was resent", {"fields": ("segments", "dropped", "prompt", "strategy_options", "sampling")}),
+        ("Attempts", {"fields": ("attempts",)}),
+        ("Raw records", {"classes": ["collapse"], "fields": ("trace", "prompt_token_ids", "prompt_hash")}),
     )
-
+    readonly_fields = (
+        "links",
+        "status",
+        "model",
+        "node",
+        "strategy",
+        "finish_reason",
+        "error",
+        "created_at",
+        *TURN_MEASUREMENTS,
+        "segments",
+        "dropped",
+        "prompt",
+        "strategy_options",
+        "sampling",
+        "attempts",
+        "trace",
+        "prompt_token_ids",
+        "prompt_hash",
+    )
     actions = ["cancel", "retry"]
+
+    class Media:
+        css = {"all": ["chat/admin.css"]}
+
+    def get_queryset(self, request):
+        return super().get_queryset(request).select_related("conversation")
+
+    @staticmethod
+    def _messages(turn: Turn) -> dict[int, Message]:
+        if not hasattr(turn, "_trace_messages"):
+            turn._trace_messages = turn_inspection.trace_messages(turn)  # type: ignore[attr-defined]
+        return turn._trace_messages  # type: ignore[attr-defined]
+
+    @admin.display(description="see also")
+    def links(self, turn: Turn) -> str:
+        return turn_inspection.render_links(turn)
+
+    @admin.display(description="segments")
+    def segments(self, turn: Turn) -> str:
+        return turn_inspection.render_segments(turn, self._messages(turn))
+
+    @admin.display(description="dropped")
+    def dropped(self, turn: Turn) -> str:
+        return turn_inspection.render_dropped(turn, self._messages(turn))
+
+    @admin.display(description="prompt")
+    def prompt(self, turn: Turn) -> str:
+        return turn_inspection.render_prompt(turn)
+
+    @admin.display(description="attempt history")
+    def attempts(self, turn: Turn) -> str:
+        return turn_inspection.render_attempts(turn)
 
     @admin.action(description="Cancel: a queued turn at once, a running one at its next token")
     def cancel(self, request: HttpRequest, queryset: QuerySet[Turn]) -> None:
@@ -207,3 +283,19 @@ class ApiKeyAdmin(admin.ModelAdmin):
     def revoke(self, request, queryset) -> None:
         for key in queryset:
             api_key_revoke(key=key)
+
+
+class NodeWithTurnsAdmin(NodeAdmin):
+    """The router's node page, with the node's recent turns: turns are chatapp's, and the router knows
+    nothing of them, so chatapp extends the page."""
+
+    fieldsets = (*NodeAdmin.fieldsets, ("Recent turns", {"fields": ("recent_turns",)}))  # type: ignore[assignment]
+    readonly_fields = (*NodeAdmin.readonly_fields, "recent_turns")  # type: ignore[assignment]
+
+    @admin.display(description="recent turns")
+    def recent_turns(self, node: Node) -> str:
+        return render_recent_turns(node.name)
+
+
+admin.site.unregister(Node)
+admin.site.register(Node, NodeWithTurnsAdmin)

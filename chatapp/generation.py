@@ -33,7 +33,7 @@ def turn_generate(*, turn_id: int, attempt: int, engine: "Engine", node: str, in
     tokens = _TokenStream(turn)
     try:
         prompt = turn_prompt(turn=turn, engine=engine, sampling=sampling)
-        if not turn_record_prompt(turn=turn, fields=prompt_record(turn, prompt, engine.chat_format.display)):
+        if not turn_record_prompt(turn=turn, fields=prompt_record(turn, prompt, engine.chat_format)):
             return
         generation = engine.generate(
             session_key=turn.conversation.session_key,

@@ -1,4 +1,5 @@
-"""A node's heartbeat thread: report the engine's stats to the router and reap orphaned turns.
+"""A node's heartbeat thread: report the engine's stats and sessions to the router (and its load to the
+node's history, every ROUTER_NODE_SAMPLE_SECONDS), and reap orphaned turns.
 
 Every node reaps: the first live node to notice a peer's missed heartbeats marks it unresponsive and
 sends that peer's unfinished turns to healthy nodes (`chatapp.turns.recovery`). An idle node also sends
@@ -8,6 +9,7 @@ again its own turns that stayed queued too long: their Celery task was lost with
 import dataclasses
 import logging
 import threading
+import time
 
 from django.conf import settings
 from django.db import close_old_connections
@@ -18,6 +20,7 @@ from router.models import Node
 from router.services import ServedModel, node_heartbeat
 
 logger = logging.getLogger(__name__)
+SESSIONS_LISTED = 200  # the sessions a heartbeat names, with where each is held (the node's admin page)
 
 
 class Heartbeat:
@@ -28,6 +31,7 @@ class Heartbeat:
         self.capacity = capacity
         self.engine = engine
         self._stop = threading.Event()
+        self._next_sample = 0.0
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
 
     def start(self) -> None:
@@ -39,12 +43,17 @@ class Heartbeat:
 
     def beat(self) -> None:
         stats = self.engine.stats()
+        now = time.monotonic()
+        sample = now >= self._next_sample
+        if sample:
+            self._next_sample = now + settings.ROUTER_NODE_SAMPLE_SECONDS
         status = node_heartbeat(
             name=self.name,
             capacity=self.capacity,
-            stats=dataclasses.asdict(stats),
+            stats=dataclasses.asdict(stats) | {"sessions": self.engine.session_places(SESSIONS_LISTED)},
             incarnation=self.incarnation,
             served=self.served,
+            sample=sample,
         )
         self.engine.set_draining(status == Node.Status.DRAINING)
         turns_reap()

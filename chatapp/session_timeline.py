@@ -4,6 +4,7 @@ them, and a chart of the prompt and computed tokens of each turn."""
 import base64
 import io
 
+from django.urls import reverse
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 from matplotlib.figure import Figure
@@ -45,15 +46,22 @@ def tokens_chart(turns: list[Turn]) -> str:
 
 def render_timeline(conversation: Conversation) -> SafeString:
     entries = session_timeline(conversation)
-    rows = format_html_join("", "{}", ((_row(entry),) for entry in entries))
     chart = tokens_chart([e for e in entries if isinstance(e, Turn)])
     image = format_html('<p><img src="{}" alt="prompt and computed tokens per turn"></p>', chart) if chart else ""
+    return format_html("{}{}", image, _table(entries))
+
+
+def render_recent_turns(node: str, limit: int = 20) -> SafeString:
+    """The node's latest turns, newest first (one query)."""
+    return _table(list(Turn.objects.filter(node=node).order_by("-created_at")[:limit]))
+
+
+def _table(entries: list[Turn | AssignmentMove]) -> SafeString:
     return format_html(
-        "{}<table><thead><tr><th>when</th><th>turn</th><th>status</th><th>node</th><th>strategy</th>"
+        "<table><thead><tr><th>when</th><th>turn</th><th>status</th><th>node</th><th>strategy</th>"
         "<th>prompt / cached / computed</th><th>reused from</th><th>first token</th></tr></thead>"
         "<tbody>{}</tbody></table>",
-        image,
-        rows,
+        format_html_join("", "{}", ((_row(entry),) for entry in entries)),
     )
 
 
@@ -69,8 +77,9 @@ def _row(entry: Turn | AssignmentMove) -> SafeString:
         )
     tokens = f"{entry.prompt_tokens} / {entry.cached_tokens} / {entry.computed_tokens}" if entry.prompt_tokens else ""
     return format_html(
-        "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+        '<tr><td>{}</td><td><a href="{}">{}</a></td>' + "<td>{}</td>" * 6 + "</tr>",
         when,
+        reverse("admin:chatapp_turn_change", args=[entry.pk]),
         entry.pk,
         entry.get_status_display(),
         entry.node,

@@ -145,6 +145,9 @@ NODE_NAME = env.str("NODE_NAME", default="local")
 # Router: nodes register and heartbeat themselves; sessions stick to their node.
 ROUTER_HEARTBEAT_SECONDS = env.float("ROUTER_HEARTBEAT_SECONDS", default=2.0)
 ROUTER_NODE_TIMEOUT_SECONDS = env.float("ROUTER_NODE_TIMEOUT_SECONDS", default=10.0)
+# A node's load is kept every this many seconds, for this many hours: its admin page charts it.
+ROUTER_NODE_SAMPLE_SECONDS = env.float("ROUTER_NODE_SAMPLE_SECONDS", default=10.0)
+ROUTER_NODE_HISTORY_HOURS = env.float("ROUTER_NODE_HISTORY_HOURS", default=24.0)
 ROUTER_DEFAULT_POLICY = env.str("ROUTER_DEFAULT_POLICY", default="sticky")
 ROUTER_POLICIES = {
     "sticky": {"BACKEND": "router.policies.StickyPolicy", "OPTIONS": {"load_factor": 1.25}},

@@ -1,8 +1,9 @@
 from django.contrib import admin, messages
+from django.contrib.admin.options import Action, ActionLocation
 from django.db.models import QuerySet
 from django.http import HttpRequest
 
-from router import services
+from router import node_pages, services
 from router.models import AssignmentMove, Node, SessionAssignment
 
 
@@ -14,6 +15,9 @@ class ReadOnly:
         return False
 
     def has_change_permission(self, request, obj=None) -> bool:
+        return False
+
+    def has_delete_permission(self, request, obj=None) -> bool:
         return False
 
 
@@ -33,20 +37,23 @@ class NodeAdmin(ReadOnly, admin.ModelAdmin):
     )
     list_filter = ("status", "model")
     search_fields = ("name", "model")
-    # What the node registered about itself: the model it serves and its limits.
-    readonly_fields = (
-        "stats",
-        "last_heartbeat",
-        "started_at",
-        "sessions",
-        "model",
-        "model_path",
-        "chat_template",
-        "n_ctx",
-        "max_reply_tokens",
-        "kv_store",
+    # What the node registered about itself (the model it serves, its limits) and its load.
+    fieldsets = (
+        (None, {"fields": ("name", "status", "healthy", "last_heartbeat", "started_at", "incarnation")}),
+        ("Serves", {"fields": ("model", "model_path", "chat_template", "n_ctx", "max_reply_tokens", "capacity")}),
+        ("Load", {"fields": ("running", "kv_used", "load", "sessions", "held_sessions", "on_disk", "kv_store")}),
+        ("Raw stats", {"classes": ["collapse"], "fields": ("stats",)}),
     )
+    readonly_fields = ("healthy", "running", "kv_used", "load", "held_sessions", "on_disk")
     actions = ["drain", "mark_down", "mark_up"]
+
+    @admin.display(description="KV use and sessions over time")
+    def load(self, node: Node) -> str:
+        return node_pages.render_load(node)
+
+    @admin.display(description="its sessions")
+    def held_sessions(self, node: Node) -> str:
+        return node_pages.render_sessions(node)
 
     @admin.display(boolean=True)
     def healthy(self, node: Node) -> bool:
@@ -85,17 +92,36 @@ class NodeAdmin(ReadOnly, admin.ModelAdmin):
 
 
 @admin.register(SessionAssignment)
-class SessionAssignmentAdmin(admin.ModelAdmin):
+class SessionAssignmentAdmin(ReadOnly, admin.ModelAdmin):
+    """Moves go through the router's service (an action per node that is up), so loads and the move log
+    stay right."""
+
     list_display = ("session_key", "node", "reason", "moves", "assigned_at", "moved_at")
     list_filter = ("node", "reason")
     search_fields = ("session_key",)
     list_select_related = ("node",)
-    readonly_fields = ("session_key", "reason", "moves", "assigned_at", "moved_at")
-    fields = ("session_key", "node", "reason", "moves", "assigned_at", "moved_at")
 
-    def save_model(self, request, obj: SessionAssignment, form, change) -> None:
-        """Moving a session here goes through the router, so loads and the move log stay right."""
-        services.assignment_move(session_key=obj.session_key, node_name=obj.node.name)
+    def get_actions(self, request: HttpRequest, action_location=ActionLocation.CHANGE_LIST):
+        actions = super().get_actions(request, action_location)
+        if action_location == ActionLocation.CHANGE_LIST:
+            for node in Node.objects.filter(status=Node.Status.UP).only("name"):
+                name = f"move_to_{node.name}"
+                text = f"Move to node {node.name} (the next turn starts cold there)"
+                actions[name] = Action(_mover(node.name), name, text, text, [ActionLocation.CHANGE_LIST])
+        return actions
+
+
+def _mover(node_name: str):
+    def move(model_admin: admin.ModelAdmin, request: HttpRequest, queryset: QuerySet[SessionAssignment]) -> None:
+        for assignment in queryset:
+            try:
+                services.assignment_move(session_key=assignment.session_key, node_name=node_name)
+            except services.MoveRefused as exc:
+                model_admin.message_user(request, f"Not moved: {assignment.session_key}: {exc}", messages.ERROR)
+            else:
+                model_admin.message_user(request, f"Moved {assignment.session_key} to {node_name}.", messages.SUCCESS)
+
+    return move
 
 
 @admin.register(AssignmentMove)

@@ -70,3 +70,24 @@ class AssignmentMove(models.Model):
 
     def __str__(self) -> str:
         return f"{self.session_key}: {self.from_node} -> {self.to_node} ({self.reason})"
+
+
+class NodeSample(models.Model):
+    """A node's load at one heartbeat, kept ROUTER_NODE_HISTORY_HOURS: its KV use over time, for operators."""
+
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="samples")
+    at = models.DateTimeField()
+    running = models.PositiveIntegerField(default=0)
+    waiting = models.PositiveIntegerField(default=0)
+    kv_cells_used = models.PositiveIntegerField(default=0)
+    kv_cells_total = models.PositiveIntegerField(default=0)
+    resident_sessions = models.PositiveIntegerField(default=0)
+    spilled_sessions = models.PositiveIntegerField(default=0)
+    disk_sessions = models.PositiveIntegerField(default=0)
+
+    class Meta:
+        ordering = ["node", "at"]
+        indexes = [models.Index(fields=["node", "at"])]
+
+    def __str__(self) -> str:
+        return f"{self.node_id} at {self.at:%H:%M:%S}"

@@ -17,11 +17,26 @@ from django.db.models import F, Q
 from django.utils import timezone
 
 from router import registry
-from router.models import AssignmentMove, Node, SessionAssignment
+from router.models import AssignmentMove, Node, NodeSample, SessionAssignment
 from router.policies import NodeLoad, RoutingPolicy
+
+# The load figures a node's history keeps from its heartbeats' stats.
+SAMPLED = (
+    "running",
+    "waiting",
+    "kv_cells_used",
+    "kv_cells_total",
+    "resident_sessions",
+    "spilled_sessions",
+    "disk_sessions",
+)
 
 
 class NoHealthyNode(RuntimeError):
+    pass
+
+
+class MoveRefused(ValueError):
     pass
 
 
@@ -56,12 +71,13 @@ def prefix_routing_key(prefix: Sequence[int] | str) -> str:
 
 
 def node_heartbeat(
-    *, name: str, capacity: int, stats: dict[str, Any], incarnation: str, served: ServedModel
+    *, name: str, capacity: int, stats: dict[str, Any], incarnation: str, served: ServedModel, sample: bool = False
 ) -> Node.Status | None:
     """Register the node (up, if new) or refresh its heartbeat and stats, if `incarnation` is the process
-    serving under this name. A node marked unresponsive while it was alive (stalled) is up again; a
-    drained or downed node stays so. A heartbeat from a process that another has replaced changes nothing.
-    Returns the node's status (None: another process serves under the name)."""
+    serving under this name; with `sample`, also keep its load in its history. A node marked unresponsive
+    while it was alive (stalled) is up again; a drained or downed node stays so. A heartbeat from a process
+    that another has replaced changes nothing. Returns the node's status (None: another process serves
+    under the name)."""
     now = timezone.now()
     fields = {"queue": queue_for_node(name), "capacity": capacity, "stats": stats, "last_heartbeat": now}
     fields |= dataclasses.asdict(served)
@@ -69,10 +85,12 @@ def node_heartbeat(
         node, created = Node.objects.select_for_update().get_or_create(
             name=name, defaults=fields | {"incarnation": incarnation, "started_at": now, "status": Node.Status.UP}
         )
+        if not created and node.incarnation not in (incarnation, ""):
+            return None
+        if sample:
+            _keep_sample(node, stats, now)
         if created:
             return Node.Status.UP
-        if node.incarnation not in (incarnation, ""):
-            return None
         for field, value in fields.items():
             setattr(node, field, value)
         node.incarnation = incarnation
@@ -80,6 +98,13 @@ def node_heartbeat(
             node.status = Node.Status.UP
         node.save(update_fields=[*fields, "incarnation", "status"])
         return Node.Status(node.status)
+
+
+def _keep_sample(node: Node, stats: dict[str, Any], now) -> None:
+    """Add the node's load now to its history, and forget what is older than ROUTER_NODE_HISTORY_HOURS."""
+    counts = {f: int(stats.get(f) or 0) for f in SAMPLED}
+    NodeSample.objects.create(node=node, at=now, **counts)
+    NodeSample.objects.filter(node=node, at__lt=now - timedelta(hours=settings.ROUTER_NODE_HISTORY_HOURS)).delete()
 
 
 def node_start(*, name: str, capacity: int, incarnation: str, served: ServedModel) -> None:
@@ -244,8 +269,30 @@ def _place_new(session_key: str, node: Node, reason: str) -> bool:
 
 
 def assignment_move(*, session_key: str, node_name: str, reason: str = "moved by an operator") -> None:
-    """Put a session on a given node (admin action); its next turn starts cold there."""
-    node = Node.objects.get(name=node_name)
+    """Put a session on a given node (admin action); its next turn starts cold there. Raises MoveRefused
+    for a node that is not up, or that serves another model than the session's node."""
+    node = Node.objects.filter(name=node_name).first()
+    if node is None or node.status != Node.Status.UP:
+        raise MoveRefused(f"Node {node_name} is not up.")
+    with transaction.atomic():
+        assignment = (
+            SessionAssignment.objects.select_for_update(of=("self",))
+            .select_related("node")
+            .filter(session_key=session_key)
+            .first()
+        )
+        if assignment is not None and assignment.node.model != node.model:
+            raise MoveRefused(f"Node {node_name} serves {node.model}, not {assignment.node.model}.")
+        if assignment is None:
+            SessionAssignment.objects.create(session_key=session_key, node=node, reason=reason)
+            Node.objects.filter(pk=node.pk).update(sessions=F("sessions") + 1)
+        elif assignment.node_id != node.pk:
+            _move(assignment, node, reason)
+
+
+def assignment_end(*, session_key: str) -> str | None:
+    """Forget a session's assignment and uncount it from its node (its conversation was deleted); the name
+    of that node, or None if the session had none."""
     with transaction.atomic():
         assignment = (
             SessionAssignment.objects.select_for_update(of=("self",))
@@ -254,10 +301,10 @@ def assignment_move(*, session_key: str, node_name: str, reason: str = "moved by
             .first()
         )
         if assignment is None:
-            SessionAssignment.objects.create(session_key=session_key, node=node, reason=reason)
-            Node.objects.filter(pk=node.pk).update(sessions=F("sessions") + 1)
-        elif assignment.node_id != node.pk:
-            _move(assignment, node, reason)
+            return None
+        Node.objects.filter(pk=assignment.node_id).update(sessions=F("sessions") - 1)
+        assignment.delete()
+        return assignment.node.name
 
 
 def _move(assignment: SessionAssignment, to: Node, reason: str) -> None:

@@ -2,7 +2,6 @@
 
 import dataclasses
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
@@ -22,6 +21,7 @@ from inference.chat_templates import ChatMessage
 from inference.types import Sampling
 
 if TYPE_CHECKING:
+    from inference.chat_format import ChatFormat
     from inference.engine import Engine
 
 
@@ -133,12 +133,32 @@ def summary_chunk_tokens(engine: "Engine") -> int:
     return min(CHUNK_TOKENS, engine.n_ctx - SUMMARY_TOKENS - instruction - fmt.overhead - 16)
 
 
-def prompt_record(turn: Turn, prompt: TurnPrompt, detokenize: Callable[[list[int]], str]) -> dict[str, Any]:
+def prompt_record(turn: Turn, prompt: TurnPrompt, fmt: "ChatFormat") -> dict[str, Any]:
     """The turn's fields that record what the strategy resent and dropped, and the exact prompt."""
+    text, parts = prompt_parts(prompt, fmt)
     return {
         "strategy_options": strategy_options(turn.strategy, turn.strategy_options),
-        "trace": prompt.assembled.trace(),
+        "trace": {**prompt.assembled.trace(), "parts": parts},
         "prompt_hash": prompt_hash(prompt.tokens),
-        "prompt_text": detokenize(prompt.tokens),
+        "prompt_text": text,
         "prompt_token_ids": prompt.tokens,
     }
+
+
+def prompt_parts(prompt: TurnPrompt, fmt: "ChatFormat") -> tuple[str, list[list[int]]]:
+    """The prompt as text (template markers visible), and where each part of it came from: runs of
+    [segment index (-1: the template's own), 1 for a template marker else 0, characters], in order."""
+    owners = [index for index, segment in enumerate(prompt.assembled.segments) for _ in segment.messages]
+    texts: list[str] = []
+    runs: list[list[int]] = []
+    at = 0
+    for piece, n in fmt.annotated(prompt.assembled.messages()):
+        text = fmt.display(prompt.tokens[at : at + n])
+        at += n
+        part = [-1 if piece.owner is None else owners[piece.owner], int(piece.marker or piece.bos)]
+        if runs and runs[-1][:2] == part:
+            runs[-1][2] += len(text)
+        elif text:
+            runs.append([*part, len(text)])
+        texts.append(text)
+    return "".join(texts), runs

@@ -1,14 +1,22 @@
 """The admin as operators use it: runtime records are read-only, and changes go through actions that call
 the product's services, which refuse what they refuse anywhere else."""
 
+import re
+from datetime import timedelta
+from html import escape, unescape
+
 import pytest
 from django.urls import reverse
+from django.utils import timezone
 
-from chatapp.models import Message, Turn
-from chatapp.turns import admission
-from chatapp.turns.lifecycle import turn_fail
-from router.models import AssignmentMove, Node
-from router.services import assignment_move
+from chatapp import turn_inspection
+from chatapp.memory.assembly import prompt_record, turn_prompt
+from chatapp.models import Conversation, Message, Turn
+from chatapp.turns import admission, lifecycle
+from chatapp.turns.lifecycle import turn_fail, turn_record_prompt
+from inference.types import Sampling
+from router.models import AssignmentMove, Node, NodeSample, SessionAssignment
+from router.services import ServedModel, assignment_move, node_heartbeat
 from tests.factories import ConversationFactory, MessageFactory, NodeFactory
 
 
@@ -97,6 +105,159 @@ def test_a_conversations_page_shows_its_session_timeline_with_the_routers_moves(
     page = admin_client.get(reverse("admin:chatapp_conversation_change", args=[conversation.pk])).content.decode()
     timeline = page.split("Session timeline", 1)[1]
     moved = timeline.index("router moved the session from idle to other: node down or draining")
-    assert timeline.index(f"<td>{first.pk}</td>") < moved < timeline.index(f"<td>{second.pk}</td>")
+    assert timeline.index(f">{first.pk}</a></td>") < moved < timeline.index(f">{second.pk}</a></td>")
     assert "40 / 0 / 40" in timeline and "120 ms" in timeline
     assert 'src="data:image/png;base64,' in timeline
+
+
+def _visible_text(html: str) -> str:
+    return unescape(re.sub(r"<[^>]+>", "", html))
+
+
+def test_a_turns_page_shows_its_prompt_segment_by_segment_with_markers_apart(admin_client, engine, settings):
+    settings.CHAT_MEMORY_STRATEGIES = {
+        "small_pinned": {
+            "BACKEND": "chatapp.memory.strategies.StablePrefix",
+            "OPTIONS": {"high": 200, "low": 80, "pinned": True},
+        }
+    }
+    conversation = ConversationFactory.create(strategy="small_pinned", system_prompt="You are terse.")
+    pinned = MessageFactory.create(conversation=conversation, content="My cat is called Miso.", pinned=True)
+    for i in range(12):
+        MessageFactory.create(conversation=conversation, content=f"Day {i}: we walked along the river.")
+        MessageFactory.create(conversation=conversation, role=Message.Role.ASSISTANT, content=f"Lovely ({i}).")
+    question = MessageFactory.create(conversation=conversation, content="What is my cat called? <b>bold</b>")
+    turn = Turn.objects.create(
+        conversation=conversation, user_message=question, strategy="small_pinned", status=Turn.Status.RUNNING
+    )
+    prompt = turn_prompt(
+        turn=turn, engine=engine, sampling=Sampling(max_tokens=16, temperature=0, top_p=1, repeat_penalty=1)
+    )
+    assert turn_record_prompt(turn=turn, fields=prompt_record(turn, prompt, engine.chat_format))
+    Turn.objects.filter(pk=turn.pk).update(prompt_tokens=len(prompt.tokens), cached_tokens=0)
+    turn.refresh_from_db()
+    assert turn.prompt_text == engine.chat_format.display(prompt.tokens)  # the parts add up to the prompt
+
+    page = admin_client.get(reverse("admin:chatapp_turn_change", args=[turn.pk])).content.decode()
+
+    shown = page.split('<pre class="prompt">', 1)[1].split("</pre>", 1)[0]
+    assert _visible_text(shown) == turn.prompt_text  # all of it, in order, and the user's HTML stays text
+    assert "&lt;b&gt;bold&lt;/b&gt;" in shown
+    opening = escape(engine.chat_format.spec.open["user"])
+    assert f'<span class="marker" title="template marker">{opening}' in shown
+    kinds = [s["kind"] for s in turn.trace["segments"]]
+    assert kinds[:2] == ["system", "pinned"] and kinds[-1] == "verbatim"
+    new = len(kinds) - 1
+    assert re.search(rf'<span class="segment-verbatim" title="segment {new}: new message">What is my cat', shown)
+    assert re.search(r'<span class="segment-pinned" title="segment 1: pinned messages and facts">Things to', shown)
+    segments = page.split('<table class="prompt-segments">', 1)[1].split("</table>", 1)[0]
+    for index, segment in enumerate(turn.trace["segments"]):
+        assert (
+            f"<td>{index}</td><td>{turn_inspection.segment_label(turn, index)}</td><td>{segment['tokens']}</td>"
+            in segments
+        )
+    template_tokens = turn.prompt_tokens - sum(s["tokens"] for s in turn.trace["segments"])
+    assert f"the template's own markers</td><td>{template_tokens}</td>" in segments.replace("&#x27;", "'")
+    assert reverse("admin:chatapp_message_change", args=[pinned.pk]) in segments
+    assert turn.trace["dropped"]
+    for dropped in turn.trace["dropped"]:
+        assert f'<a href="{reverse("admin:chatapp_message_change", args=[dropped])}">#{dropped}</a>' in page
+    assert reverse("admin:chatapp_conversation_change", args=[conversation.pk]) in page
+
+
+def test_a_turns_page_shows_its_attempts_and_links_to_its_node_and_assignment(admin_client, idle_node):
+    turn = admission.turn_start(conversation=ConversationFactory.create(), text="again and again")
+    other = NodeFactory.create(name="other")
+    Node.objects.filter(pk=idle_node.pk).update(status=Node.Status.DOWN)
+    assert lifecycle.turn_resend(turn_id=turn.pk, attempt=turn.attempt, why="node idle went down") is True
+
+    page = admin_client.get(reverse("admin:chatapp_turn_change", args=[turn.pk])).content.decode()
+    attempts = page.split('<table id="attempts">', 1)[1].split("</table>", 1)[0]
+    rows = attempts.split("<tr>")[2:]
+    assert len(rows) == 2
+    assert "<td>0</td><td>idle</td><td>queued</td>" in rows[0] and "node idle went down" in rows[0]
+    assert "<td>1</td><td>other</td><td>queued</td>" in rows[1] and "(current)" in rows[1]
+    assert reverse("admin:router_node_change", args=[other.pk]) in page
+    assignment = SessionAssignment.objects.get(session_key=turn.conversation.session_key)
+    assert reverse("admin:router_sessionassignment_change", args=[assignment.pk]) in page
+    assert "attempt history (2)" in page
+
+
+def _listed(admin_client, **query: str) -> set[int]:
+    page = admin_client.get(reverse("admin:chatapp_conversation_changelist"), query).content.decode()
+    return {int(pk) for pk in re.findall(r'<a href="/admin/chatapp/conversation/(\d+)/change/', page)}
+
+
+def test_the_conversation_list_finds_the_sessions_worth_a_look(admin_client, idle_node):
+    def conversation_with_turn(**fields) -> Conversation:
+        conversation = ConversationFactory.create()
+        turn = admission.turn_start(conversation=conversation, text="hello")
+        Turn.objects.filter(pk=turn.pk).update(**fields)
+        return conversation
+
+    hit = conversation_with_turn(status=Turn.Status.DONE, prompt_tokens=100, cached_tokens=95)
+    missed = conversation_with_turn(status=Turn.Status.DONE, prompt_tokens=100, cached_tokens=30)
+    failed = conversation_with_turn(status=Turn.Status.FAILED, prompt_tokens=100, cached_tokens=99)
+    stuck = conversation_with_turn(queued_at=timezone.now() - timedelta(minutes=10))
+    waiting = conversation_with_turn()  # queued a moment ago: not stuck
+    NodeFactory.create(name="other")
+    assignment_move(session_key=missed.session_key, node_name="other")
+    elsewhere = conversation_with_turn(node="other", status=Turn.Status.DONE)
+
+    assert _listed(admin_client, trouble="failed") == {failed.pk}
+    assert _listed(admin_client, trouble="stuck") == {stuck.pk}
+    assert _listed(admin_client, cache_hit_under="0.5") == {missed.pk}
+    assert _listed(admin_client, cache_hit_under="0.9") == {missed.pk}
+    assert _listed(admin_client, moved="yes") == {missed.pk}
+    assert missed.pk not in _listed(admin_client, moved="no")
+    assert _listed(admin_client, node="other") == {elsewhere.pk}
+    assert {hit.pk, waiting.pk} <= _listed(admin_client)
+    page = admin_client.get(reverse("admin:chatapp_conversation_changelist")).content.decode()
+    assert '<td class="field-cache_hit">95%</td>' in page and '<td class="field-cache_hit">30%</td>' in page
+
+
+def test_a_nodes_page_shows_its_load_over_time_its_sessions_and_its_recent_turns(admin_client, idle_node, settings):
+    conversation = ConversationFactory.create()
+    turn = admission.turn_start(conversation=conversation, text="where is my state?")
+    served = ServedModel(model=idle_node.model, model_path="", chat_template="chatml", n_ctx=4096, max_reply_tokens=64)
+    places = {conversation.session_key: "resident", "conversation:999999": "disk"}
+    for used in (100, 900, 400):
+        stats = {"kv_cells_used": used, "kv_cells_total": 4096, "resident_sessions": 1, "sessions": places}
+        node_heartbeat(name="idle", capacity=16, stats=stats, incarnation="", served=served, sample=True)
+    samples = NodeSample.objects.filter(node=idle_node)
+    assert list(samples.values_list("kv_cells_used", flat=True)) == [100, 900, 400]
+    node_heartbeat(name="idle", capacity=16, stats=stats, incarnation="", served=served)  # not a sample
+    assert samples.count() == 3
+
+    page = admin_client.get(reverse("admin:router_node_change", args=[idle_node.pk])).content.decode()
+    assert '<img src="data:image/png;base64,' in page and "KV use and sessions of idle over time" in page
+    row = next(r for r in page.split("<tr>") if conversation.session_key in r)
+    assert "assigned here" in row and "resident in its context" in row
+    row = next(r for r in page.split("<tr>") if "conversation:999999" in r)
+    assert "not assigned here" in row and "in the disk tier" in row
+    recent = page.split("Recent turns", 1)[1]
+    assert f'<a href="{reverse("admin:chatapp_turn_change", args=[turn.pk])}">{turn.pk}</a>' in recent
+
+    settings.ROUTER_NODE_HISTORY_HOURS = 0  # older samples are forgotten at the next one
+    node_heartbeat(name="idle", capacity=16, stats={}, incarnation="", served=served, sample=True)
+    assert samples.count() == 1
+
+
+def test_sessions_move_through_the_routers_service_which_refuses_another_models_node(admin_client, idle_node):
+    conversation = ConversationFactory.create()
+    admission.turn_start(conversation=conversation, text="move me")
+    assignment = SessionAssignment.objects.get(session_key=conversation.session_key)
+    NodeFactory.create(name="same-model")
+    NodeFactory.create(name="gemma", model="gemma-3-270m")
+    NodeFactory.create(name="down", status=Node.Status.DOWN)
+
+    page = _act(admin_client, "router_sessionassignment", "move_to_gemma", assignment)
+    assert "Node gemma serves gemma-3-270m, not" in page
+    assert "move_to_down" not in page  # only nodes that are up are offered
+    page = _act(admin_client, "router_sessionassignment", "move_to_same-model", assignment)
+    assert f"Moved {conversation.session_key} to same-model." in page
+    assignment.refresh_from_db()
+    assert assignment.node.name == "same-model"
+    move = AssignmentMove.objects.get(session_key=conversation.session_key)
+    assert (move.from_node, move.to_node, move.reason) == ("idle", "same-model", "moved by an operator")
+    assert Node.objects.get(name="same-model").sessions == 1 and Node.objects.get(name="idle").sessions == 0

@@ -45,7 +45,7 @@ def test_summaries_are_written_after_the_turn_in_chunks_that_fit_then_used_by_th
     prompt = turn_prompt(turn=turn, engine=engine, sampling=SHORT)
     assert not Summary.objects.exists()  # assembling never calls the model
     assert prompt.assembled.dropped_ids and "summary" not in [s.kind for s in prompt.assembled.segments]
-    assert turn_record_prompt(turn=turn, fields=prompt_record(turn, prompt, engine.chat_format.display))
+    assert turn_record_prompt(turn=turn, fields=prompt_record(turn, prompt, engine.chat_format))
     turn.refresh_from_db()
     assert turn.strategy_options == {"high": 200, "low": 80, "summarize": True}
     assert engine.chat_format.spec.open["user"] in turn.prompt_text and len(turn.prompt_hash) == 32
