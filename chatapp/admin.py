@@ -46,23 +46,28 @@ class TurnTimings:
         return "" if turn.decode_tokens_per_s is None else f"{turn.decode_tokens_per_s:.1f} tokens/s"
 
 
-class MessageInline(admin.TabularInline):
-    model = Message
-    fields = ("role", "content", "pinned", "excluded", "created_at")
-    readonly_fields = fields  # pins and exclusions: the message list's actions
+class RecordInline(admin.TabularInline):
+    """A conversation's runtime records, listed on its page: written by the product only."""
+
     extra = 0
     can_delete = False
     show_change_link = True
 
+    def has_add_permission(self, request, obj=None) -> bool:
+        return False
 
-class TurnInline(TurnTimings, admin.TabularInline):
+
+class MessageInline(RecordInline):
+    model = Message
+    fields = ("role", "content", "pinned", "excluded", "created_at")
+    readonly_fields = fields  # pins and exclusions: the message list's actions
+
+
+class TurnInline(TurnTimings, RecordInline):
     model = Turn
     fk_name = "conversation"
     fields = ("status", "model", "node", "strategy", "finish_reason", *TURN_MEASUREMENTS, "created_at")
     readonly_fields = fields
-    extra = 0
-    can_delete = False
-    show_change_link = True
 
 
 @admin.register(Conversation)
@@ -80,9 +85,13 @@ class ConversationAdmin(admin.ModelAdmin):
     )
     search_fields = ("title", "owner__username", "messages__content")
     list_select_related = ("owner",)
-    raw_id_fields = ("owner",)
     inlines = [MessageInline, TurnInline]
-    readonly_fields = ("session_timeline",)
+    # Its model and strategy change through the chat page's services (re-tokenising, checked options);
+    # conversations are started by their owners, within their quotas.
+    readonly_fields = ("owner", "source", "api_session", "strategy", "strategy_options", "model", "session_timeline")
+
+    def has_add_permission(self, request) -> bool:
+        return False
 
     def get_queryset(self, request):
         return super().get_queryset(request).annotate(cache_hit=cache_hit_ratio())

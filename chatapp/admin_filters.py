@@ -46,7 +46,8 @@ class TroubleFilter(admin.SimpleListFilter):
     parameter_name = "trouble"
 
     def lookups(self, request, model_admin):
-        return [("failed", "with a failed turn"), ("stuck", f"with a turn unfinished for {STUCK_AFTER}")]
+        minutes = STUCK_AFTER.total_seconds() / 60
+        return [("failed", "with a failed turn"), ("stuck", f"with a turn unfinished for over {minutes:.0f} minutes")]
 
     def queryset(self, request, queryset: QuerySet[Conversation]) -> QuerySet[Conversation]:
         turns = Turn.objects.filter(conversation=OuterRef("pk"))

@@ -221,6 +221,7 @@ class Summary(models.Model):
 
     class Meta:
         ordering = ["through_message_id"]
+        verbose_name_plural = "summaries"
 
     def __str__(self) -> str:
         return f"Summary through message {self.through_message_id}"
@@ -239,6 +240,7 @@ class ApiKey(models.Model):
 
     class Meta:
         ordering = ["-created_at"]
+        verbose_name = "API key"
 
     def __str__(self) -> str:
         return f"{self.name} ({self.prefix}...)"

@@ -35,6 +35,7 @@ def tokens_chart(turns: list[Turn]) -> str:
     x = range(1, len(measured) + 1)
     ax.bar(x, [t.prompt_tokens or 0 for t in measured], label="prompt", color="#9bb7d4")
     ax.bar(x, [t.computed_tokens or 0 for t in measured], label="computed", color="#d9534f")
+    ax.set_xticks(list(x))
     ax.set_xlabel("turn")
     ax.set_ylabel("tokens")
     ax.legend(loc="upper left", fontsize="small")

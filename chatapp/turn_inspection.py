@@ -89,8 +89,9 @@ def render_prompt(turn: Turn) -> SafeString:
         if marker or segment < 0:
             spans.append(("marker", "template marker", piece))
         else:
-            kind = turn.trace["segments"][segment]["kind"]
-            spans.append((f"segment-{kind}", f"segment {segment}: {segment_label(turn, segment)}", piece))
+            kind, label = turn.trace["segments"][segment]["kind"], segment_label(turn, segment)
+            css = f"segment-{kind} new-message" if label == "new message" else f"segment-{kind}"
+            spans.append((css, f"segment {segment}: {label}", piece))
     return format_html(
         '<pre class="prompt">{}</pre>', format_html_join("", '<span class="{}" title="{}">{}</span>', spans)
     )

@@ -37,9 +37,11 @@ def test_runtime_records_cannot_be_changed_through_a_form(admin_client, idle_nod
     assignment_move(session_key=conversation.session_key, node_name=other.name)
     move = AssignmentMove.objects.get(session_key=conversation.session_key)
     message = Message.objects.get(pk=turn.user_message_id)
+    assignment = SessionAssignment.objects.get(session_key=conversation.session_key)
     attempts = {
         "router_node": (idle_node, {"status": "down", "capacity": 1}),
         "router_assignmentmove": (move, {"to_node": "nowhere"}),
+        "router_sessionassignment": (assignment, {"node": idle_node.pk}),
         "chatapp_message": (message, {"pinned": "on", "content": "changed"}),
         "chatapp_turn": (turn, {"status": "done"}),
     }
@@ -48,10 +50,21 @@ def test_runtime_records_cannot_be_changed_through_a_form(admin_client, idle_nod
         assert admin_client.get(url).status_code == 200, model  # it can be read
         assert admin_client.post(url, data).status_code == 403, model
         assert admin_client.get(reverse(f"admin:{model}_add")).status_code == 403, model
+        delete = reverse(f"admin:{model}_delete", args=[record.pk])
+        assert admin_client.post(delete, {"post": "yes"}).status_code == 403, model
     assert Node.objects.get(pk=idle_node.pk).status == Node.Status.UP
     assert AssignmentMove.objects.get(pk=move.pk).to_node == other.name
+    assert SessionAssignment.objects.get(pk=assignment.pk).node == other
     assert Message.objects.get(pk=message.pk).content == "hands off"
     assert Turn.objects.get(pk=turn.pk).status == Turn.Status.QUEUED
+    # A conversation's title can be edited; its model and strategy change only through the chat's services.
+    url = reverse("admin:chatapp_conversation_change", args=[conversation.pk])
+    fields = {"title": "Renamed", "strategy": "full", "model": "gemma-3-270m", "user_name": "U", "assistant_name": "A"}
+    inlines = {f"{p}-{k}": "0" for p in ("messages", "turns") for k in ("TOTAL_FORMS", "INITIAL_FORMS")}
+    assert admin_client.post(url, fields | inlines).status_code == 302
+    conversation.refresh_from_db()
+    assert (conversation.title, conversation.strategy) == ("Renamed", "stable_prefix")
+    assert conversation.model != "gemma-3-270m"
 
 
 def test_turn_actions_call_the_lifecycle_and_report_its_refusals(admin_client, idle_node):
@@ -148,7 +161,9 @@ def test_a_turns_page_shows_its_prompt_segment_by_segment_with_markers_apart(adm
     kinds = [s["kind"] for s in turn.trace["segments"]]
     assert kinds[:2] == ["system", "pinned"] and kinds[-1] == "verbatim"
     new = len(kinds) - 1
-    assert re.search(rf'<span class="segment-verbatim" title="segment {new}: new message">What is my cat', shown)
+    assert re.search(
+        rf'<span class="segment-verbatim new-message" title="segment {new}: new message">What is my cat', shown
+    )
     assert re.search(r'<span class="segment-pinned" title="segment 1: pinned messages and facts">Things to', shown)
     segments = page.split('<table class="prompt-segments">', 1)[1].split("</table>", 1)[0]
     for index, segment in enumerate(turn.trace["segments"]):
