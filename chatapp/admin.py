@@ -175,7 +175,8 @@ class TurnAdmin(ReadOnly, TurnTimings, admin.ModelAdmin):
     search_fields = ("user_message__content", "assistant_message__content", "error")
     list_select_related = ("conversation",)
     fieldsets = (
-        (None, {"fields": ("links", "status", "model", "node", "strategy", "finish_reason", "error", "created_at")}),
+        (None, {"fields": ("links", "asked", "answer", "status", "error", "finish_reason", "created_at")}),
+        ("Where and how", {"fields": ("model", "node", "strategy")}),
         ("Cost", {"fields": TURN_MEASUREMENTS}),
         ("What was resent", {"fields": ("segments", "dropped", "prompt", "strategy_options", "sampling")}),
         ("Attempts", {"fields": ("attempts",)}),
@@ -183,6 +184,8 @@ class TurnAdmin(ReadOnly, TurnTimings, admin.ModelAdmin):
     )
     readonly_fields = (
         "links",
+        "asked",
+        "answer",
         "status",
         "model",
         "node",
@@ -207,7 +210,7 @@ class TurnAdmin(ReadOnly, TurnTimings, admin.ModelAdmin):
         css = {"all": ["chat/admin.css"]}
 
     def get_queryset(self, request):
-        return super().get_queryset(request).select_related("conversation")
+        return super().get_queryset(request).select_related("conversation", "user_message", "assistant_message")
 
     @staticmethod
     def _messages(turn: Turn) -> dict[int, Message]:
@@ -218,6 +221,14 @@ class TurnAdmin(ReadOnly, TurnTimings, admin.ModelAdmin):
     @admin.display(description="see also")
     def links(self, turn: Turn) -> str:
         return turn_inspection.render_links(turn)
+
+    @admin.display(description="user message")
+    def asked(self, turn: Turn) -> str:
+        return turn_inspection.render_message(turn.user_message)
+
+    @admin.display(description="reply")
+    def answer(self, turn: Turn) -> str:
+        return turn_inspection.render_message(turn.assistant_message) if turn.assistant_message else ""
 
     @admin.display(description="segments")
     def segments(self, turn: Turn) -> str:

@@ -50,6 +50,12 @@ def _message_links(ids: list[int], messages: dict[int, Message]) -> SafeString:
     )
 
 
+def render_message(message: Message) -> SafeString:
+    """A message in full, with a link to its own page."""
+    url = reverse("admin:chatapp_message_change", args=[message.pk])
+    return format_html('<a href="{}">#{}</a> <span class="message-text">{}</span>', url, message.pk, message.content)
+
+
 def _excerpt(text: str) -> str:
     return text if len(text) <= EXCERPT else text[: EXCERPT - 1] + "…"
 
@@ -118,8 +124,6 @@ def render_links(turn: Turn) -> SafeString:
         links.append(("session assignment", reverse("admin:router_sessionassignment_change", args=[assignment.pk])))
     moves = reverse("admin:router_assignmentmove_changelist") + "?" + urlencode({"q": key})
     links.append(("the router's moves of this session", moves))
-    if turn.assistant_message_id:
-        links.append(("the reply", reverse("admin:chatapp_message_change", args=[turn.assistant_message_id])))
     links.append((f"attempt history ({turn.attempt + 1})", "#attempts"))
     items = format_html_join("", '<li><a href="{}">{}</a></li>', ((url, text) for text, url in links))
     return format_html('<ul class="links">{}</ul>', items)
