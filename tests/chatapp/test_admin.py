@@ -14,6 +14,7 @@ from chatapp.memory.assembly import prompt_record, turn_prompt
 from chatapp.models import Conversation, Message, Turn
 from chatapp.turns import admission, lifecycle
 from chatapp.turns.lifecycle import turn_fail, turn_record_prompt
+from chatapp.validation import NoNodeUp
 from inference.types import Sampling
 from router.models import AssignmentMove, Node, NodeSample, SessionAssignment
 from router.services import ServedModel, assignment_move, node_heartbeat
@@ -276,3 +277,33 @@ def test_sessions_move_through_the_routers_service_which_refuses_another_models_
     move = AssignmentMove.objects.get(session_key=conversation.session_key)
     assert (move.from_node, move.to_node, move.reason) == ("idle", "same-model", "moved by an operator")
     assert Node.objects.get(name="same-model").sessions == 1 and Node.objects.get(name="idle").sessions == 0
+
+
+def test_node_actions_set_the_status_the_router_reads(admin_client, idle_node):
+    other = NodeFactory.create(name="other")
+    _act(admin_client, "router_node", "drain", idle_node)
+    assert Node.objects.get(pk=idle_node.pk).status == Node.Status.DRAINING
+    _act(admin_client, "router_node", "mark_down", other)
+    assert Node.objects.get(pk=other.pk).status == Node.Status.DOWN
+    conversation = ConversationFactory.create()
+    with pytest.raises(NoNodeUp):  # neither takes new sessions
+        admission.turn_start(conversation=conversation, text="anyone?")
+    _act(admin_client, "router_node", "mark_up", idle_node, other)
+    assert set(Node.objects.values_list("status", flat=True)) == {Node.Status.UP}
+    assert admission.turn_start(conversation=conversation, text="anyone?").node in {"idle", "other"}
+
+
+def test_deleting_conversations_from_the_list_goes_through_the_deletion_service(admin_client, idle_node):
+    doomed = [ConversationFactory.create() for _ in range(2)]
+    for conversation in doomed:
+        admission.turn_start(conversation=conversation, text="forget me")
+    kept = ConversationFactory.create()
+    admission.turn_start(conversation=kept, text="keep me")
+    admin_client.post(
+        reverse("admin:chatapp_conversation_changelist"),
+        {"action": "delete_selected", "_selected_action": [c.pk for c in doomed], "post": "yes"},
+    )
+    assert list(Conversation.objects.all()) == [kept]
+    assert list(SessionAssignment.objects.values_list("session_key", flat=True)) == [kept.session_key]
+    assert Node.objects.get(pk=idle_node.pk).sessions == 1
+    assert list(Message.objects.values_list("content", flat=True)) == ["keep me"]
