@@ -275,12 +275,7 @@ def assignment_move(*, session_key: str, node_name: str, reason: str = "moved by
     if node is None or node.status != Node.Status.UP:
         raise MoveRefused(f"Node {node_name} is not up.")
     with transaction.atomic():
-        assignment = (
-            SessionAssignment.objects.select_for_update(of=("self",))
-            .select_related("node")
-            .filter(session_key=session_key)
-            .first()
-        )
+        assignment = _locked_assignment(session_key)
         if assignment is not None and assignment.node.model != node.model:
             raise MoveRefused(f"Node {node_name} serves {node.model}, not {assignment.node.model}.")
         if assignment is None:
@@ -294,17 +289,22 @@ def assignment_end(*, session_key: str) -> str | None:
     """Forget a session's assignment and uncount it from its node (its conversation was deleted); the name
     of that node, or None if the session had none."""
     with transaction.atomic():
-        assignment = (
-            SessionAssignment.objects.select_for_update(of=("self",))
-            .select_related("node")
-            .filter(session_key=session_key)
-            .first()
-        )
+        assignment = _locked_assignment(session_key)
         if assignment is None:
             return None
         Node.objects.filter(pk=assignment.node_id).update(sessions=F("sessions") - 1)
         assignment.delete()
         return assignment.node.name
+
+
+def _locked_assignment(session_key: str) -> SessionAssignment | None:
+    """The session's assignment with its node, locked for this transaction; None if it has none."""
+    return (
+        SessionAssignment.objects.select_for_update(of=("self",))
+        .select_related("node")
+        .filter(session_key=session_key)
+        .first()
+    )
 
 
 def _move(assignment: SessionAssignment, to: Node, reason: str) -> None:
