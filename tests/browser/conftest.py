@@ -1,11 +1,15 @@
 """The browser the UI tests drive: Debian's Chromium, headless, through Playwright."""
 
 import os
+import re
 import shutil
 from collections.abc import Iterator
+from html import unescape
 
 import pytest
 from playwright.sync_api import Browser, Page, expect, sync_playwright
+
+from chatapp.markdown import render_markdown
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 
@@ -35,3 +39,8 @@ def logged_in(browser: Browser, base_url: str, username: str) -> Page:
     page.click("button[type=submit]")
     expect(page.get_by_role("button", name="New conversation")).to_be_visible()
     return page
+
+
+def shown_reply(content: str) -> str:
+    """The text a finished reply shows (its DOM's text content), rendered from `content` as Markdown."""
+    return unescape(re.sub(r"<[^>]+>", "", str(render_markdown(content))))

@@ -10,7 +10,7 @@ from playwright.sync_api import Browser, Page, expect
 
 from chatapp.models import Message, Turn
 from router.models import Node
-from tests.browser.conftest import logged_in
+from tests.browser.conftest import logged_in, shown_reply
 from tests.conftest import OUTPUT_DIR, start_node, stop_node
 from tests.factories import UserFactory
 
@@ -58,7 +58,7 @@ def test_a_reply_streams_in_and_the_inspector_shows_its_cost(page: Page):
     reply = page.locator(".msg.assistant:not(.pending)").last
     expect(reply).to_be_visible(timeout=60_000)
     stored = Message.objects.get(role=Message.Role.ASSISTANT)
-    assert reply.locator(".text").inner_text().strip() == stored.content.strip()
+    assert reply.locator(".text").text_content() == shown_reply(stored.content)
     assert page.evaluate("document.body.dataset.lastStreamed").strip() == stored.content.strip()
     assert stored.content.strip().startswith(first_seen.strip())
     expect(page.locator("#composer textarea")).to_be_enabled()
@@ -97,6 +97,6 @@ def test_a_reload_mid_stream_completes_the_text_once(page: Page):
     assert stored is not None
     streamed = page.evaluate("document.body.dataset.lastStreamed")
     assert streamed.strip() == stored.content.strip()  # resumed after reload: nothing lost, nothing twice
-    assert reply.locator(".text").inner_text().strip() == stored.content.strip()
+    assert reply.locator(".text").text_content() == shown_reply(stored.content)
     assert page.locator(f"#message-{stored.pk}").count() == 1 and page.locator(".msg.pending").count() == 0
     page.screenshot(path=str(SHOTS / "after-reload.png"))

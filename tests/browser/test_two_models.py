@@ -15,7 +15,7 @@ from inference.model_files import resolve_model
 from inference.tokenizer import chat_format_for
 from router.models import AssignmentMove, Node, SessionAssignment
 from router.services import healthy_nodes
-from tests.browser.conftest import logged_in
+from tests.browser.conftest import logged_in, shown_reply
 from tests.conftest import start_node, stop_node
 from tests.factories import ConversationFactory, UserFactory
 from tests.helpers import only_these_nodes, wait_for_turn
@@ -137,6 +137,6 @@ def test_a_conversation_of_each_model_streams_in_chromium(nodes, browser: Browse
         expect(page.locator(".msg.assistant:not(.pending)").last).to_be_visible(timeout=60_000)
         turn = Turn.objects.filter(conversation__owner__username="two-models").latest("id")
         assert (turn.status, turn.model, turn.node) == (Turn.Status.DONE, model, nodes[model])
-        text = page.locator(".msg.assistant:not(.pending) .text").last.inner_text().strip()
-        assert turn.assistant_message is not None and text == turn.assistant_message.content.strip()
+        text = page.locator(".msg.assistant:not(.pending) .text").last.text_content()
+        assert turn.assistant_message is not None and text == shown_reply(turn.assistant_message.content)
     page.context.close()
