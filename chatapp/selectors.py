@@ -2,18 +2,66 @@
 
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from django.contrib.auth.models import User
-from django.contrib.postgres.search import SearchQuery, SearchRank, SearchVector
+from django.contrib.postgres.search import SearchHeadline, SearchQuery, SearchRank, SearchVector
 from django.db import connection
 from django.db.models import QuerySet
 from django.shortcuts import get_object_or_404
+from django.utils.html import escape
+from django.utils.safestring import SafeString, mark_safe
 
 from chatapp.models import ApiKey, Conversation, Message, Turn, UserFact
 
 
 def conversation_list_for_user(*, user: User) -> QuerySet[Conversation]:
     return Conversation.objects.filter(owner=user)
+
+
+@dataclass(frozen=True)
+class SearchHit:
+    conversation: Conversation
+    excerpt: SafeString  # the best matching message's words around the match, matches in <mark>
+
+
+SEARCH_HITS = 50
+_MARK_START, _MARK_END = "\x02", "\x03"  # Postgres marks matches with these; escaped text gets <mark> for them
+
+
+def conversation_search_for_user(*, user: User, query: str) -> list[SearchHit]:
+    """The user's conversations whose messages match `query` (Postgres full-text search, on the messages'
+    GIN index) or whose title contains it: best matching message first, each conversation once."""
+    query = query.strip()
+    if not query:
+        return []
+    search = SearchQuery(query, search_type="websearch", config="english")
+    vector = SearchVector("content", config="english")  # the expression the index `message_content_search` holds
+    matches = (
+        Message.objects.annotate(document=vector)
+        .filter(document=search, conversation__owner=user)
+        .annotate(
+            rank=SearchRank(vector, search),
+            headline=SearchHeadline(
+                "content", search, config="english", start_sel=_MARK_START, stop_sel=_MARK_END, max_words=20
+            ),
+        )
+        .select_related("conversation")
+        .order_by("-rank", "-id")[: SEARCH_HITS * 4]
+    )
+    hits: dict[int, SearchHit] = {}
+    for message in matches:
+        if message.conversation_id not in hits and len(hits) < SEARCH_HITS:
+            hits[message.conversation_id] = SearchHit(message.conversation, _marked(message.headline))
+    titled = Conversation.objects.filter(owner=user, title__icontains=query).exclude(pk__in=list(hits))
+    for conversation in titled[: max(0, SEARCH_HITS - len(hits))]:
+        hits[conversation.pk] = SearchHit(conversation, mark_safe(""))
+    return list(hits.values())
+
+
+def _marked(headline: str) -> SafeString:
+    """A headline as HTML: its text escaped, its matches in <mark>."""
+    return mark_safe(escape(headline).replace(_MARK_START, "<mark>").replace(_MARK_END, "</mark>"))  # noqa: S308
 
 
 def conversation_get_for_user(*, user: User, conversation_id: int) -> Conversation:

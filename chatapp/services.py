@@ -48,13 +48,16 @@ def check_model(model: str) -> str:
     return model
 
 
+TITLE_CHARS = 200
+
+
 def conversation_create(
     *, owner: User, title: str = "", strategy: str = "", strategy_options: dict | None = None, model: str = ""
 ) -> Conversation:
     quotas.check_can_add_conversation(user_id=owner.pk)
     return Conversation.objects.create(
         owner=owner,
-        title=without_control_characters(title).strip()[:200],
+        title=without_control_characters(title).strip()[:TITLE_CHARS],
         strategy=check_strategy(strategy or settings.CHAT_DEFAULT_STRATEGY, strategy_options),
         strategy_options=strategy_options or {},
         model=check_model(model or settings.CHAT_DEFAULT_MODEL),
@@ -107,9 +110,11 @@ def conversation_import(
     user_name: str = "User",
     assistant_name: str = "Assistant",
     strategy: str = "",
+    system_prompt: str = "",
 ) -> Conversation:
     """Store a whole conversation said elsewhere, with its own times and speakers' names, in one transaction.
     Every message is checked like a typed one; nothing is stored if one is refused (TurnRejected says which)."""
+    system_prompt = check_system_prompt(system_prompt)
     rows = []
     for number, message in enumerate(messages, start=1):
         if message.role not in (Message.Role.USER, Message.Role.ASSISTANT):
@@ -123,11 +128,36 @@ def conversation_import(
         conversation = conversation_create(owner=owner, title=title, strategy=strategy)
         conversation.user_name = without_control_characters(user_name).strip()[:100] or "User"
         conversation.assistant_name = without_control_characters(assistant_name).strip()[:100] or "Assistant"
-        conversation.save(update_fields=["user_name", "assistant_name"])
+        conversation.system_prompt = system_prompt
+        conversation.save(update_fields=["user_name", "assistant_name", "system_prompt"])
         for row in rows:
             row.conversation = conversation
         Message.objects.bulk_create(rows)
     return conversation
+
+
+def conversation_rename(*, conversation: Conversation, title: str) -> None:
+    title = without_control_characters(title).strip()
+    if len(title) > TITLE_CHARS:
+        raise TurnRejected(f"The title is {len(title):,} characters; the limit is {TITLE_CHARS}.")
+    conversation.title = title
+    conversation.save(update_fields=["title", "updated_at"])
+
+
+def check_system_prompt(text: str) -> str:
+    """The system prompt as it will be stored ("": the default), or TurnRejected saying why not."""
+    text = without_control_characters(text).strip()
+    limit = settings.CHAT_MAX_MESSAGE_CHARS
+    if len(text) > limit:
+        raise TurnRejected(f"The system prompt is {len(text):,} characters; the limit is {limit:,}.")
+    return text
+
+
+def conversation_set_system_prompt(*, conversation: Conversation, system_prompt: str) -> None:
+    """Set the conversation's own system prompt ("": the default). It leads every prompt, so the next turn
+    computes its prompt afresh."""
+    conversation.system_prompt = check_system_prompt(system_prompt)
+    conversation.save(update_fields=["system_prompt", "updated_at"])
 
 
 def conversation_set_strategy(*, conversation: Conversation, strategy: str) -> None:

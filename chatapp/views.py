@@ -5,7 +5,7 @@ from contextlib import suppress
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
-from django.http import HttpRequest, HttpResponse
+from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_GET, require_POST
 from django_htmx.http import reswap, retarget
@@ -15,6 +15,7 @@ from redis.exceptions import RedisError
 from chatapp import selectors, services, streams
 from chatapp.api.keys import api_key_create
 from chatapp.api.keys import api_key_revoke as api_key_revoke_service
+from chatapp.conversation_exchange import conversation_export, parse_import
 from chatapp.forms import ConversationForm, FactForm, MessageForm, model_choices
 from chatapp.memory.registry import strategy_aliases
 from chatapp.models import Conversation, Turn
@@ -30,8 +31,65 @@ class HtmxHttpRequest(HttpRequest):
 @require_GET
 @login_required
 def conversation_list(request: HtmxHttpRequest) -> HttpResponse:
-    conversations = selectors.conversation_list_for_user(user=request.user)  # type: ignore[arg-type]
-    return render(request, "chat/conversation_list.html", {"conversations": conversations, "form": ConversationForm()})
+    """The user's conversations, newest first; with `q`, those matching it (full-text search)."""
+    return _list_page(request, query=request.GET.get("q", "")[:SEARCH_CHARS])
+
+
+SEARCH_CHARS = 200
+
+
+def _list_page(request: HtmxHttpRequest, *, query: str = "", error: str = "", status: int = 200) -> HttpResponse:
+    user = request.user
+    context = {
+        "conversations": selectors.conversation_list_for_user(user=user),  # type: ignore[arg-type]
+        "query": query,
+        "hits": selectors.conversation_search_for_user(user=user, query=query) if query else None,  # type: ignore[arg-type]
+        "form": ConversationForm(),
+        "error": error,
+    }
+    return render(request, "chat/conversation_list.html", context, status=status)
+
+
+@require_POST
+@login_required
+def conversation_import(request: HtmxHttpRequest) -> HttpResponse:
+    """A conversation from an exported JSON file (OpenAI's messages format); nothing is stored if any of it
+    is refused, and the page says why."""
+    upload = request.FILES.get("file")
+    if upload is None:
+        return _list_page(request, error="Choose a JSON file to import.", status=400)
+    try:
+        parsed = parse_import(upload.read())
+        conversation = services.conversation_import(
+            owner=request.user,  # type: ignore[arg-type]
+            title=parsed.title or upload.name or "",
+            messages=parsed.messages,
+            system_prompt=parsed.system_prompt,
+        )
+    except TurnRejected as exc:
+        return _list_page(request, error=f"Not imported: {exc}", status=exc.status)
+    messages.success(request, f"Imported {len(parsed.messages)} messages.")
+    return redirect("chat:conversation_detail", conversation_id=conversation.pk)
+
+
+@require_GET
+@login_required
+def conversation_export_json(request: HtmxHttpRequest, conversation_id: int) -> HttpResponse:
+    conversation = selectors.conversation_get_for_user(user=request.user, conversation_id=conversation_id)  # type: ignore[arg-type]
+    response = JsonResponse(conversation_export(conversation), json_dumps_params={"ensure_ascii": False, "indent": 1})
+    response["Content-Disposition"] = f'attachment; filename="conversation-{conversation.pk}.json"'
+    return response
+
+
+@require_POST
+@login_required
+def conversation_delete(request: HtmxHttpRequest, conversation_id: int) -> HttpResponse:
+    """Delete the conversation: its reply stops, and its session ends on its node."""
+    conversation = selectors.conversation_get_for_user(user=request.user, conversation_id=conversation_id)  # type: ignore[arg-type]
+    title = str(conversation)
+    services.conversation_delete(conversation=conversation)
+    messages.success(request, f"Deleted {title}.")
+    return redirect("chat:conversation_list")
 
 
 @require_POST
@@ -162,25 +220,29 @@ def turn_cancel(request: HtmxHttpRequest, conversation_id: int, turn_id: int) ->
     return redirect("chat:conversation_detail", conversation_id=conversation_id)
 
 
-# What the conversation page can switch: the service that switches it, and what the page then says.
+# What the conversation page can change: the service that changes it, and what the page then says.
 SWITCHES: dict[str, tuple[Callable[..., None], str]] = {
     "strategy": (services.conversation_set_strategy, "Memory strategy: {}. It applies from the next turn."),
     "model": (services.conversation_set_model, "Model: {}. It answers from the next turn."),
+    "title": (services.conversation_rename, "Renamed."),
+    "system_prompt": (services.conversation_set_system_prompt, "System prompt saved. It leads the next prompt."),
 }
 
 
 @require_POST
 @login_required
 def conversation_switch(request: HtmxHttpRequest, conversation_id: int, setting: str) -> HttpResponse:
-    """Switch the conversation's memory strategy or its model, for the turns to come."""
+    """Switch the conversation's memory strategy or its model for the turns to come, rename it, or set its
+    system prompt."""
     conversation = selectors.conversation_get_for_user(user=request.user, conversation_id=conversation_id)  # type: ignore[arg-type]
     switch, said = SWITCHES[setting]
     try:
         switch(conversation=conversation, **{setting: request.POST.get(setting, "")})
-    except ValueError as exc:
+    except ValueError as exc:  # nothing changed: the page again, saying why
         messages.error(request, str(exc))
-    else:
-        messages.success(request, said.format(getattr(conversation, setting)))
+        conversation.refresh_from_db()
+        return render(request, "chat/conversation_detail.html", _chat_context(conversation), status=400)
+    messages.success(request, said.format(getattr(conversation, setting)))
     return redirect("chat:conversation_detail", conversation_id=conversation.pk)
 
 
