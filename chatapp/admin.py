@@ -72,7 +72,18 @@ class TurnInline(TurnTimings, RecordInline):
 
 @admin.register(Conversation)
 class ConversationAdmin(admin.ModelAdmin):
-    list_display = ("id", "title", "owner", "source", "model", "strategy", "cache_hit", "created_at", "updated_at")
+    list_display = (
+        "id",
+        "title",
+        "owner",
+        "source",
+        "model",
+        "strategy",
+        "cache_hit",
+        "branched_from",
+        "created_at",
+        "updated_at",
+    )
     list_filter = (
         "source",
         "model",
@@ -84,11 +95,22 @@ class ConversationAdmin(admin.ModelAdmin):
         "created_at",
     )
     search_fields = ("title", "owner__username", "messages__content")
-    list_select_related = ("owner",)
+    list_select_related = ("owner", "branched_from")
     inlines = [MessageInline, TurnInline]
     # Its model and strategy change through the chat page's services (re-tokenising, checked options);
     # conversations are started by their owners, within their quotas.
-    readonly_fields = ("owner", "source", "api_session", "strategy", "strategy_options", "model", "session_timeline")
+    readonly_fields = (
+        "owner",
+        "source",
+        "api_session",
+        "strategy",
+        "strategy_options",
+        "model",
+        "branched_from",
+        "branch_root",
+        "branch_point",
+        "session_timeline",
+    )
 
     def has_add_permission(self, request) -> bool:
         return False

@@ -14,6 +14,7 @@ urlpatterns = [
     path("c/<int:conversation_id>/turns/<int:turn_id>/", views.turn_detail, name="turn_detail"),
     path("c/<int:conversation_id>/turns/<int:turn_id>/cancel/", views.turn_cancel, name="turn_cancel"),
     path("c/<int:conversation_id>/turns/<int:turn_id>/retry/", views.turn_retry, name="turn_retry"),
+    path("c/<int:conversation_id>/turns/<int:turn_id>/regenerate/", views.turn_regenerate, name="turn_regenerate"),
     path("c/<int:conversation_id>/turns/<int:turn_id>/events/", sse.turn_events, name="turn_events"),
     *(
         path(
@@ -25,6 +26,7 @@ urlpatterns = [
         for setting in views.SWITCHES
     ),
     path("c/<int:conversation_id>/m/<int:message_id>/flags/", views.message_flags, name="message_flags"),
+    path("c/<int:conversation_id>/m/<int:message_id>/branch/", views.message_branch, name="message_branch"),
     path("keys/", views.api_key_list, name="api_key_list"),
     path("keys/<int:key_id>/revoke/", views.api_key_revoke, name="api_key_revoke"),
     path("facts/", views.fact_list, name="fact_list"),

@@ -38,6 +38,11 @@ class Conversation(models.Model):
     # How recalled turns name the two sides ("Caroline: ..."); an imported conversation keeps its names.
     user_name = models.CharField(max_length=100, default="User")
     assistant_name = models.CharField(max_length=100, default="Assistant")
+    # A branch: a copy of `branched_from`'s history before `branch_point` (a user message edited, or whose
+    # reply was regenerated), continued on its own. `branch_root` is the first conversation of the family.
+    branched_from = models.ForeignKey("self", on_delete=models.SET_NULL, null=True, blank=True, related_name="+")
+    branch_root = models.ForeignKey("self", on_delete=models.SET_NULL, null=True, blank=True, related_name="+")
+    branch_point = models.ForeignKey("Message", on_delete=models.SET_NULL, null=True, blank=True, related_name="+")
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True, db_index=True)
 

@@ -115,7 +115,8 @@ def render_dropped(turn: Turn, messages: dict[int, Message]) -> SafeString:
 def render_links(turn: Turn) -> SafeString:
     """Links to the turn's conversation, node, session assignment and the router's moves of the session."""
     key = turn.conversation.session_key
-    links = [("conversation", reverse("admin:chatapp_conversation_change", args=[turn.conversation_id]))]
+    branch = f" (a branch of #{turn.conversation.branched_from_id})" if turn.conversation.branched_from_id else ""
+    links = [(f"conversation{branch}", reverse("admin:chatapp_conversation_change", args=[turn.conversation_id]))]
     node = Node.objects.filter(name=turn.node).only("id").first() if turn.node else None
     if node is not None:
         links.append((f"node {turn.node}", reverse("admin:router_node_change", args=[node.pk])))

@@ -15,10 +15,11 @@ from redis.exceptions import RedisError
 from chatapp import selectors, services, streams
 from chatapp.api.keys import api_key_create
 from chatapp.api.keys import api_key_revoke as api_key_revoke_service
+from chatapp.branches import conversation_branch, conversation_family
 from chatapp.conversation_exchange import conversation_export, parse_import
 from chatapp.forms import ConversationForm, FactForm, MessageForm, model_choices
 from chatapp.memory.registry import strategy_aliases
-from chatapp.models import Conversation, Turn
+from chatapp.models import Conversation, Message, Turn
 from chatapp.turns import admission, lifecycle
 from chatapp.validation import TurnRejected, without_control_characters
 from router.services import served_models
@@ -135,7 +136,14 @@ def _chat_context(conversation: Conversation, *, form: MessageForm | None = None
         "form": form or MessageForm(),
         "error": error,
         "strategies": strategy_aliases(),
+        "branches": conversation_family(conversation)
+        if conversation.branch_root_id or _has_branches(conversation)
+        else [],
     } | _model_context(conversation.model)
+
+
+def _has_branches(conversation: Conversation) -> bool:
+    return Conversation.objects.filter(branch_root=conversation).exists()
 
 
 def _model_context(model: str) -> dict:
@@ -218,6 +226,31 @@ def turn_cancel(request: HtmxHttpRequest, conversation_id: int, turn_id: int) ->
     if request.htmx:
         return HttpResponse(status=204)
     return redirect("chat:conversation_detail", conversation_id=conversation_id)
+
+
+@require_POST
+@login_required
+def message_branch(request: HtmxHttpRequest, conversation_id: int, message_id: int) -> HttpResponse:
+    """Edit a user message: a new branch continues from it with the new text; the original stays."""
+    message = selectors.message_get_for_user(user=request.user, conversation_id=conversation_id, message_id=message_id)  # type: ignore[arg-type]
+    return _branch(request, message, request.POST.get("text", ""))
+
+
+@require_POST
+@login_required
+def turn_regenerate(request: HtmxHttpRequest, conversation_id: int, turn_id: int) -> HttpResponse:
+    """Another reply to the same message, in a new branch; the original reply stays in its own."""
+    turn = selectors.turn_get_for_user(user=request.user, conversation_id=conversation_id, turn_id=turn_id)  # type: ignore[arg-type]
+    return _branch(request, turn.user_message, turn.user_message.content)
+
+
+def _branch(request: HtmxHttpRequest, message: Message, text: str) -> HttpResponse:
+    try:
+        turn = conversation_branch(conversation=message.conversation, message=message, text=text)
+    except TurnRejected as exc:
+        messages.error(request, str(exc))
+        return render(request, "chat/conversation_detail.html", _chat_context(message.conversation), status=exc.status)
+    return redirect("chat:conversation_detail", conversation_id=turn.conversation_id)
 
 
 # What the conversation page can change: the service that changes it, and what the page then says.
