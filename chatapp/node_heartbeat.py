@@ -50,7 +50,8 @@ class Heartbeat:
         status = node_heartbeat(
             name=self.name,
             capacity=self.capacity,
-            stats=dataclasses.asdict(stats) | {"sessions": self.engine.session_places(SESSIONS_LISTED)},
+            stats=dataclasses.asdict(stats)
+            | {"sessions": self.engine.session_places(SESSIONS_LISTED), "totals": self.engine.metrics.snapshot()},
             incarnation=self.incarnation,
             served=self.served,
             sample=sample,

@@ -1,7 +1,7 @@
 """Server-Sent Events for the browser: a turn's Redis stream, resumable by entry id."""
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import redis
 from asgiref.sync import sync_to_async
@@ -9,6 +9,7 @@ from django.conf import settings
 from django.http import Http404, HttpRequest, HttpResponse, StreamingHttpResponse
 
 from chatapp import selectors, streams
+from chatapp.metrics import counted_stream
 from chatapp.models import Turn
 from chatapp.turn_events import database_slot, follow_turn
 
@@ -34,13 +35,13 @@ async def turn_events(request: HttpRequest, conversation_id: int, turn_id: int) 
         return HttpResponse("Live updates are unavailable for a moment.", status=503, headers={"Retry-After": "2"})
     if turn.is_finished and streams.entry_order(last) <= streams.entry_order(after):
         return HttpResponse(status=204)  # nothing more will come: tells EventSource to stop reconnecting
-    response = StreamingHttpResponse(_events(turn, after), content_type="text/event-stream")
+    response = StreamingHttpResponse(counted_stream("browser", _events(turn, after)), content_type="text/event-stream")
     response["Cache-Control"] = "no-cache"
     response["X-Accel-Buffering"] = "no"
     return response
 
 
-async def _events(turn: Turn, after: str) -> AsyncIterator[str]:
+async def _events(turn: Turn, after: str) -> AsyncGenerator[str]:
     yield f"retry: 1000\n{KEEPALIVE}"
     async for entry_id, event in follow_turn(turn, after=after, block_ms=settings.CHAT_SSE_BLOCK_MS):
         if event is None:

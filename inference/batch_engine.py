@@ -19,6 +19,7 @@ from pathlib import Path
 
 from inference.chat_format import chat_format_for_model
 from inference.config import EngineConfig
+from inference.engine_metrics import EngineMetrics
 from inference.kv_disk import DiskTier, DiskUsage
 from inference.llama_runtime import LlamaRuntime, NoKVSlot
 from inference.request import Request, RequestState
@@ -63,6 +64,7 @@ class BatchEngine:
         self._ending: queue.Queue[str] = queue.Queue()  # sessions to forget (engine thread)
         self._ending_later: set[str] = set()  # ... once their running request has ended
         self._stats = self._collect_stats()
+        self.metrics = EngineMetrics()
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
@@ -267,7 +269,9 @@ class BatchEngine:
     def _hand_back(self, request: Request, reason: FinishReason) -> None:
         if request.text is not None and (tail := request.text.finish()):
             request.events.put(("text", tail))
-        request.events.put(("done", self._generation(request, reason)))
+        generation = self._generation(request, reason)
+        self.metrics.observe(generation)
+        request.events.put(("done", generation))
 
     def _fail(self, request: Request, exc: Exception) -> None:
         request.events.put(("error", exc))

@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from inference.config import EngineConfig
+from inference.engine_metrics import EngineMetrics
 from inference.types import Generation, NodeStats, Sampling
 
 if TYPE_CHECKING:
@@ -17,6 +18,7 @@ if TYPE_CHECKING:
 
 class Engine(Protocol):
     name: str
+    metrics: EngineMetrics  # totals since start, for Prometheus
     model: str  # the served model's name (inference.model_files)
     n_ctx: int
     chat_format: "ChatFormat"

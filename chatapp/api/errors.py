@@ -22,6 +22,9 @@ class ApiError(Exception):
         return {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
 
     def response(self) -> JsonResponse:
+        from chatapp import metrics  # imports the router and Redis, which the API's error type need not load
+
+        metrics.count("api_errors_total", self.code or str(self.status))
         response = JsonResponse({"error": self.response_body()}, status=self.status)
         for name, value in self.headers.items():
             response[name] = value

@@ -8,7 +8,7 @@ away cancels its turn (the node keeps the session's cache).
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
@@ -21,6 +21,7 @@ from chatapp.api.errors import ApiError
 from chatapp.api.keys import api_key_find
 from chatapp.api.parsing import ChatRequest, parse_chat_request
 from chatapp.api.sessions import api_turn_start
+from chatapp.metrics import counted_stream
 from chatapp.models import ApiKey, Turn
 from chatapp.turn_events import database_slot, follow_turn
 from chatapp.turns.lifecycle import turn_cancel
@@ -82,7 +83,9 @@ async def chat_completions(request: HttpRequest) -> HttpResponse | StreamingHttp
                 strategy=request.headers.get("X-Memory-Strategy"),
             )
         if parsed.stream:
-            response = StreamingHttpResponse(_chunks(turn, parsed), content_type="text/event-stream")
+            response = StreamingHttpResponse(
+                counted_stream("api", _chunks(turn, parsed)), content_type="text/event-stream"
+            )
             response["Cache-Control"] = "no-cache"
             response["X-Accel-Buffering"] = "no"
             response["X-Session-ID"] = request.headers.get("X-Session-ID", "")
@@ -162,7 +165,7 @@ async def _completion(turn: Turn, parsed: ChatRequest) -> dict:
     raise ApiError("The reply did not finish.", status=500, type="server_error")
 
 
-async def _chunks(turn: Turn, parsed: ChatRequest) -> AsyncIterator[str]:
+async def _chunks(turn: Turn, parsed: ChatRequest) -> AsyncGenerator[str]:
     base = {
         "id": _completion_id(turn),
         "object": "chat.completion.chunk",

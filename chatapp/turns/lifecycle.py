@@ -23,7 +23,7 @@ from django.utils import timezone
 from kombu.exceptions import KombuError
 from redis.exceptions import RedisError
 
-from chatapp import quotas, streams
+from chatapp import metrics, quotas, streams
 from chatapp.models import ApiKey, Conversation, Message, Turn
 from chatapp.turns.events import end_event
 from chatapp.validation import NoNodeUp, ReplyInProgress, TurnRejected
@@ -72,6 +72,13 @@ def _reconnecting[T](write: Callable[[], T]) -> T:
             logger.warning("database unreachable (%s); trying again", str(exc).strip().splitlines()[0])
             connection.close()
             time.sleep(1)
+
+
+def _ended(turn: Turn) -> None:
+    """Once committed: the turn's end on its stream, and in the turns' count by final status."""
+    status = turn.status
+    _announce(turn, end_event(turn))
+    transaction.on_commit(lambda: metrics.count("turns_total", status))
 
 
 def _announce(turn: Turn, event: dict[str, Any]) -> None:
@@ -179,7 +186,7 @@ def turn_cancel(*, turn: Turn) -> None:
         if locked is not None and locked.status == Status.QUEUED:
             locked.status, locked.finish_reason, locked.finished_at = Status.CANCELLED, "cancelled", timezone.now()
             locked.save(update_fields=["status", "finish_reason", "finished_at"])
-            _announce(locked, end_event(locked))
+            _ended(locked)
             return
     if locked is not None:
         streams.request_cancel(turn.stream_name)
@@ -217,7 +224,7 @@ def turn_fail(*, turn_id: int, attempt: int, error: str, code: str = "generation
             turn.status, turn.error, turn.error_code = Status.FAILED, error[:2000], code
             turn.finished_at = timezone.now()
             turn.save(update_fields=["status", "error", "error_code", "finished_at"])
-            _announce(turn, end_event(turn))
+            _ended(turn)
         return True
 
     return _reconnecting(fail)
@@ -294,7 +301,7 @@ def turn_finish(*, turn: Turn, generation: "Generation") -> Turn | None:
             locked.decode_tokens_per_s = generation.decode_tokens_per_s
             locked.finished_at = timezone.now()
             locked.save(update_fields=_FINISH_FIELDS)
-            _announce(locked, end_event(locked))
+            _ended(locked)
             used = generation.prompt_tokens + len(generation.token_ids)
             owner, key = locked.conversation.owner_id, locked.api_key_id
             transaction.on_commit(lambda: quotas.charge_tokens(user_id=owner, api_key_id=key, tokens=used))
