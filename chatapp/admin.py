@@ -1,15 +1,18 @@
 from django.contrib import admin, messages
 from django.db.models import QuerySet
 from django.http import HttpRequest
+from django.template.loader import render_to_string
+from django.utils.safestring import mark_safe
 
 from chatapp import turn_inspection
 from chatapp.admin_filters import CacheHitFilter, MovedFilter, NodeFilter, TroubleFilter, cache_hit_ratio
 from chatapp.api.keys import api_key_revoke
+from chatapp.counterfactual import cache_break, turn_counterfactual
 from chatapp.models import ApiKey, Conversation, Message, Summary, Turn, UserFact
 from chatapp.services import conversation_delete, message_set_flags
 from chatapp.session_timeline import milliseconds, render_recent_turns, render_timeline
 from chatapp.turns.lifecycle import turn_cancel, turn_retry
-from chatapp.validation import TurnRejected
+from chatapp.validation import NoNodeUp, TurnRejected
 from router.admin import NodeAdmin, ReadOnly
 from router.models import Node
 
@@ -201,6 +204,7 @@ class TurnAdmin(ReadOnly, TurnTimings, admin.ModelAdmin):
         ("Where and how", {"fields": ("model", "node", "strategy")}),
         ("Cost", {"fields": TURN_MEASUREMENTS}),
         ("What was resent", {"fields": ("segments", "dropped", "prompt", "strategy_options", "sampling")}),
+        ("What other strategies would have sent", {"fields": ("what_if",)}),
         ("Attempts", {"fields": ("attempts",)}),
         ("Raw records", {"classes": ["collapse"], "fields": ("trace", "prompt_token_ids", "prompt_hash")}),
     )
@@ -221,6 +225,7 @@ class TurnAdmin(ReadOnly, TurnTimings, admin.ModelAdmin):
         "prompt",
         "strategy_options",
         "sampling",
+        "what_if",
         "attempts",
         "trace",
         "prompt_token_ids",
@@ -263,6 +268,18 @@ class TurnAdmin(ReadOnly, TurnTimings, admin.ModelAdmin):
     @admin.display(description="prompt")
     def prompt(self, turn: Turn) -> str:
         return turn_inspection.render_prompt(turn)
+
+    @admin.display(description="what if")
+    def what_if(self, turn: Turn) -> str:
+        """Every configured strategy's prompt for this turn, and why the cache broke (chatapp.counterfactual)."""
+        if not turn.is_finished:
+            return "(once the turn has ended)"
+        try:
+            what_if = turn_counterfactual(turn)
+        except NoNodeUp as exc:
+            return str(exc)
+        context = {"turn": turn, "what_if": what_if, "cache_break": cache_break(turn)}
+        return mark_safe(render_to_string("chat/what_if.html", context))  # noqa: S308 -- an escaping template
 
     @admin.display(description="attempt history")
     def attempts(self, turn: Turn) -> str:

@@ -15,6 +15,7 @@ urlpatterns = [
     path("c/<int:conversation_id>/turns/<int:turn_id>/cancel/", views.turn_cancel, name="turn_cancel"),
     path("c/<int:conversation_id>/turns/<int:turn_id>/retry/", views.turn_retry, name="turn_retry"),
     path("c/<int:conversation_id>/turns/<int:turn_id>/regenerate/", views.turn_regenerate, name="turn_regenerate"),
+    path("c/<int:conversation_id>/turns/<int:turn_id>/what-if/", views.turn_what_if, name="turn_what_if"),
     path("c/<int:conversation_id>/turns/<int:turn_id>/events/", sse.turn_events, name="turn_events"),
     *(
         path(

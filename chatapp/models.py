@@ -187,6 +187,13 @@ class Turn(models.Model):
         return self.prompt_tokens - self.cached_tokens
 
     @property
+    def template_tokens(self) -> int | None:
+        """Prompt tokens of the template's own (BOS, markers, a default system prompt), beside the segments."""
+        if self.prompt_tokens is None or "tokens" not in self.trace:
+            return None
+        return self.prompt_tokens - self.trace["tokens"]
+
+    @property
     def stream_name(self) -> str:
         return str(self.public_id)
 

@@ -87,10 +87,10 @@ def render_prompt(turn: Turn) -> SafeString:
     """The exact prompt, each part coloured by the segment it came from and template markers set apart
     (turns recorded before the prompt's parts were kept show it as plain text)."""
     text, parts = turn.prompt_text, turn.trace.get("parts")
-    if not parts or sum(n for _, _, n in parts) != len(text):
+    if not parts or sum(part[2] for part in parts) != len(text):
         return format_html('<pre class="prompt">{}</pre>', text)
     spans, at = [], 0
-    for segment, marker, n in parts:
+    for segment, marker, n, _ in parts:
         piece, at = text[at : at + n], at + n
         if marker or segment < 0:
             spans.append(("marker", "template marker", piece))

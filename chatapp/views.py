@@ -17,11 +17,12 @@ from chatapp.api.keys import api_key_create
 from chatapp.api.keys import api_key_revoke as api_key_revoke_service
 from chatapp.branches import conversation_branch, conversation_family
 from chatapp.conversation_exchange import conversation_export, parse_import
+from chatapp.counterfactual import cache_break, turn_counterfactual
 from chatapp.forms import ConversationForm, FactForm, MessageForm, model_choices
 from chatapp.memory.registry import strategy_aliases
 from chatapp.models import Conversation, Message, Turn
 from chatapp.turns import admission, lifecycle
-from chatapp.validation import TurnRejected, without_control_characters
+from chatapp.validation import NoNodeUp, TurnRejected, without_control_characters
 from router.services import served_models
 
 
@@ -226,6 +227,20 @@ def turn_cancel(request: HtmxHttpRequest, conversation_id: int, turn_id: int) ->
     if request.htmx:
         return HttpResponse(status=204)
     return redirect("chat:conversation_detail", conversation_id=conversation_id)
+
+
+@require_GET
+@login_required
+def turn_what_if(request: HtmxHttpRequest, conversation_id: int, turn_id: int) -> HttpResponse:
+    """What every configured strategy would have sent for this turn, and why the cache broke (on demand)."""
+    turn = selectors.turn_get_for_user(user=request.user, conversation_id=conversation_id, turn_id=turn_id)  # type: ignore[arg-type]
+    if not turn.is_finished:
+        return HttpResponse("The turn is still running.", status=409)
+    try:
+        what_if = turn_counterfactual(turn)
+    except NoNodeUp as exc:
+        return HttpResponse(str(exc), status=exc.status)
+    return render(request, "chat/what_if.html", {"turn": turn, "what_if": what_if, "cache_break": cache_break(turn)})
 
 
 @require_POST

@@ -45,20 +45,24 @@ class ModelFreeSession:
     recalled: dict[int, tuple[int, ...]] = field(default_factory=dict)
     previous: list[int] = field(default_factory=list)
     first_verbatim: int | None = None
+    system_prompt: str = field(default_factory=lambda: settings.CHAT_SYSTEM_PROMPT)
+    facts: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._texts = {m.id: m.text for m in self.history}
         self._search = text_searcher(self._texts)
         self._write_summary = stand_in_writer(self.fmt)
 
-    def turn(self, new: StoredMessage, reply: StoredMessage) -> ModelFreeTurn:
-        """Assemble `new`'s prompt, then add `new` and (unless the strategy refused) `reply` to the history."""
+    def turn(self, new: StoredMessage, reply: StoredMessage | None) -> ModelFreeTurn:
+        """Assemble `new`'s prompt, then add `new` and (unless the strategy refused) `reply` to the history
+        (None: the turn got no reply)."""
         context = MemoryContext(
             history=list(self.history),
             new_message=new,
             budget=self.budget,
             count_tokens=self.fmt.count,
-            system_prompt=settings.CHAT_SYSTEM_PROMPT,
+            system_prompt=self.system_prompt,
+            facts=self.facts,
             summaries=list(self.summaries),
             previous_first_id=self.first_verbatim,
             search=self._search,
@@ -74,8 +78,8 @@ class ModelFreeSession:
         ms = (time.perf_counter() - started) * 1000
         prompt = self.fmt.render(assembled.messages())
         done = ModelFreeTurn(assembled, prompt, common_prefix(self.previous, prompt), ms)
-        self._add(new, reply)
-        self.previous = [*prompt, *(reply.token_ids or ())]
+        self._add(new, *([reply] if reply else []))
+        self.previous = [*prompt, *((reply.token_ids or ()) if reply else ())]
         self.first_verbatim = assembled.first_verbatim_id
         self.recalled[new.id] = assembled.recalled_ids
         if self.strategy.summarize:

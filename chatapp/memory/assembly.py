@@ -147,7 +147,7 @@ def prompt_record(turn: Turn, prompt: TurnPrompt, fmt: "ChatFormat") -> dict[str
 
 def prompt_parts(prompt: TurnPrompt, fmt: "ChatFormat") -> tuple[str, list[list[int]]]:
     """The prompt as text (template markers visible), and where each part of it came from: runs of
-    [segment index (-1: the template's own), 1 for a template marker else 0, characters], in order."""
+    [segment index (-1: the template's own), 1 for a template marker else 0, characters, tokens], in order."""
     owners = [index for index, segment in enumerate(prompt.assembled.segments) for _ in segment.messages]
     texts: list[str] = []
     runs: list[list[int]] = []
@@ -158,7 +158,8 @@ def prompt_parts(prompt: TurnPrompt, fmt: "ChatFormat") -> tuple[str, list[list[
         part = [-1 if piece.owner is None else owners[piece.owner], int(piece.marker or piece.bos)]
         if runs and runs[-1][:2] == part:
             runs[-1][2] += len(text)
-        elif text:
-            runs.append([*part, len(text)])
+            runs[-1][3] += n
+        elif n:
+            runs.append([*part, len(text), n])
         texts.append(text)
     return "".join(texts), runs

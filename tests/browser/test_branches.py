@@ -54,6 +54,11 @@ def test_regenerate_and_edit_make_branches_the_node_answers_from(node, browser: 
     assert "My dog is called Rex." in turn.prompt_text and "Miso" not in turn.prompt_text  # its own history only
     page.locator("details.inspector summary").last.click()
     expect(page.locator(".inspect").last).to_contain_text(f"a branch of {original}")
+    page.locator(".inspect").last.get_by_text("What would the other strategies have sent?").click()
+    what_if = page.locator(".what-if").last
+    expect(what_if).to_contain_text("Cache broke at token 0")  # a branch is a new session
+    expect(what_if.locator("tr.actual")).to_contain_text(f"{turn.strategy} (used)")
+    expect(what_if.locator("tr.actual td").nth(1)).to_have_text(str(turn.prompt_tokens))
 
     nav = page.locator("nav.branches")
     expect(nav.locator("a, strong")).to_have_count(3)

@@ -49,7 +49,7 @@ def test_a_turn_moves_the_counters_by_what_it_cost(client, node):
     done = ("chat_turns_total", (("status", "done"),))
     assert after[done] == before.get(done, 0) + 1
     assert moved("chat_node_generated_tokens_total") == turn.completion_tokens
-    assert moved("chat_node_prompt_tokens_total", kind="computed") == turn.prompt_tokens - turn.cached_tokens
+    assert moved("chat_node_prompt_tokens_total", kind="computed") == turn.computed_tokens
     assert moved("chat_node_prompt_tokens_total", kind="cached") == turn.cached_tokens
     assert moved("chat_node_first_token_seconds_count") == 1
     assert moved("chat_node_first_token_seconds_bucket", le="+Inf") == 1
