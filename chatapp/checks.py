@@ -2,6 +2,7 @@ from django.conf import settings
 from django.core.checks import Error, register
 
 from chatapp.memory.registry import strategy_errors
+from inference.config import BadEngineSetting, engine_config
 
 
 @register()
@@ -13,3 +14,14 @@ def memory_strategies_build(app_configs, **kwargs) -> list[Error]:
             Error(f"CHAT_DEFAULT_STRATEGY {settings.CHAT_DEFAULT_STRATEGY!r} is not an alias.", id="chatapp.E002")
         )
     return errors
+
+
+@register()
+def engine_settings_valid(app_configs, **kwargs) -> list[Error]:
+    """The engine settings in the environment must parse and be in range (nodes run with them, and the
+    API caps replies with MAX_REPLY_TOKENS)."""
+    try:
+        engine_config()
+    except BadEngineSetting as exc:
+        return [Error(str(exc), id="chatapp.E003")]
+    return []

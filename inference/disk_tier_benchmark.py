@@ -8,7 +8,6 @@ that share a temporary directory as nodes on one machine share `KV_DISK_PATH`.
 import statistics
 import tempfile
 import time
-from dataclasses import replace
 
 from inference.batch_engine import BatchEngine
 from inference.benchmark import BenchSettings, NodeBenchmark, alternating, greedy, long_conversation, paired
@@ -21,7 +20,7 @@ class DiskTierBenchmark:
         self.conversations = conversations
         self.settings = settings
         # Write-behind off: files are written where each figure needs them (a shutdown, a drain, a spill).
-        self.config = replace(config, KV_DISK_IDLE_S=0, MAX_RESIDENT_SESSIONS=4, MAX_CONCURRENT=16)
+        self.config = config.replace(KV_DISK_IDLE_S=0, MAX_RESIDENT_SESSIONS=4, MAX_CONCURRENT=16)
 
     def run(self) -> dict:
         with tempfile.TemporaryDirectory(prefix="bench-kv-") as root:
@@ -32,7 +31,7 @@ class DiskTierBenchmark:
         return results
 
     def _engine(self, root: str, node: str, **settings) -> BatchEngine:
-        return BatchEngine(replace(self.config, KV_DISK_PATH=root, NODE_NAME=node, **settings))
+        return BatchEngine(self.config.replace(KV_DISK_PATH=root, NODE_NAME=node, **settings))
 
     def restart_and_move(self, root: str) -> dict:
         s = self.settings

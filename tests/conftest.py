@@ -10,7 +10,6 @@ import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -60,7 +59,7 @@ SMALL_ENGINE = EngineConfig(N_CTX=1024, MAX_RESIDENT_SESSIONS=4, MAX_CONCURRENT=
 @pytest.fixture(scope="session")
 def engine(model_file: ModelFile, tmp_path_factory: pytest.TempPathFactory) -> Iterator[BatchEngine]:
     """An engine in the test process, with a disk tier of its own."""
-    engine = BatchEngine(replace(SMALL_ENGINE, KV_DISK_PATH=str(tmp_path_factory.mktemp("kv"))))
+    engine = BatchEngine(SMALL_ENGINE.replace(KV_DISK_PATH=str(tmp_path_factory.mktemp("kv"))))
     yield engine
     engine.close()
 

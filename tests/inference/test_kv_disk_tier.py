@@ -9,7 +9,6 @@ import ctypes
 import logging
 import time
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -32,10 +31,8 @@ def engines(tmp_path: Path) -> Iterator:
     started: list[BatchEngine] = []
 
     def start(node: str, **settings) -> BatchEngine:
-        config = replace(
-            SMALL_ENGINE, STEP_TOKEN_BUDGET=1, KV_DISK_PATH=str(tmp_path), NODE_NAME=node, KV_DISK_IDLE_S=0
-        )
-        engine = BatchEngine(replace(config, **settings))
+        config = SMALL_ENGINE.replace(STEP_TOKEN_BUDGET=1, KV_DISK_PATH=str(tmp_path), NODE_NAME=node, KV_DISK_IDLE_S=0)
+        engine = BatchEngine(config.replace(**settings))
         started.append(engine)
         return engine
 

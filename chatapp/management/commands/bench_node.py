@@ -1,7 +1,6 @@
 import json
 import tempfile
 import time
-from dataclasses import replace
 
 from django.core.management.base import BaseCommand
 
@@ -56,8 +55,7 @@ class Command(BaseCommand):
         conversations = list(chitchat_conversations(min_messages=2))
         started = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="bench-node-kv-") as kv_dir:  # not the nodes' own disk tier
-            config = replace(
-                config,
+            config = config.replace(
                 MAX_RESIDENT_SESSIONS=max(config.MAX_RESIDENT_SESSIONS, settings.batch, settings.replay_sessions),
                 MAX_CONCURRENT=max(config.MAX_CONCURRENT, settings.batch, settings.replay_sessions),
                 KV_DISK_PATH=kv_dir if config.KV_DISK_PATH else "",

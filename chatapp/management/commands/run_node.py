@@ -9,7 +9,7 @@ from chatapp.node_heartbeat import Heartbeat
 from chatapp.node_identity import incarnation
 from chatapp.turns.recovery import turns_hand_off, turns_take_back
 from inference.chat_templates import UnsupportedTemplate
-from inference.config import EngineConfig
+from inference.config import BadEngineSetting, engine_config
 from inference.engine import get_engine
 from inference.model_files import DEFAULT_MODEL, PACKAGED, ModelNotFound
 from router.services import ServedModel, node_start, node_stop, queue_for_node
@@ -23,21 +23,25 @@ class Command(BaseCommand):
         parser.add_argument(
             "--concurrency",
             type=int,
-            default=EngineConfig().MAX_CONCURRENT,
+            default=None,
             help="Worker threads; each waits on one generation (default: MAX_CONCURRENT).",
         )
         parser.add_argument(
             "--model",
-            default=EngineConfig().MODEL,
+            default=None,
             help=f"A packaged model ({', '.join(PACKAGED)}; default {DEFAULT_MODEL}), or the name MODEL_PATH's "
             "file is served under (default: MODEL).",
         )
         parser.add_argument("--loglevel", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
-    def handle(self, *, name: str, concurrency: int, model: str, loglevel: str, **options):
+    def handle(self, *, name: str, concurrency: int | None, model: str | None, loglevel: str, **options):
+        try:
+            config = engine_config(NODE_NAME=name, **({"MODEL": model} if model is not None else {}))
+        except BadEngineSetting as exc:
+            raise CommandError(f"node {name}: {exc}") from None
+        concurrency = concurrency or config.MAX_CONCURRENT
         require_services()
         started = time.perf_counter()
-        config = EngineConfig(MODEL=model, NODE_NAME=name)
         try:
             engine = get_engine(config)
         except (ModelNotFound, UnsupportedTemplate) as exc:
