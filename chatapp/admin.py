@@ -2,6 +2,7 @@ from django.contrib import admin, messages
 from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.template.loader import render_to_string
+from django.utils.html import format_html
 from django.utils.safestring import mark_safe
 
 from chatapp import turn_inspection
@@ -226,6 +227,7 @@ class TurnAdmin(ReadOnly, TurnTimings, admin.ModelAdmin):
         "strategy_options",
         "sampling",
         "what_if",
+        "what_if_link",
         "attempts",
         "trace",
         "prompt_token_ids",
@@ -269,6 +271,20 @@ class TurnAdmin(ReadOnly, TurnTimings, admin.ModelAdmin):
     def prompt(self, turn: Turn) -> str:
         return turn_inspection.render_prompt(turn)
 
+    def get_fieldsets(self, request: HttpRequest, obj=None):
+        """The counterfactual replays the conversation once per strategy (seconds on a long one): only when
+        asked for (`?what_if=1`), else a link that asks."""
+        fieldsets = super().get_fieldsets(request, obj)
+        if request.GET.get("what_if"):
+            return fieldsets
+        return [
+            (title, {"fields": ("what_if_link",)}) if "what_if" in o["fields"] else (title, o) for title, o in fieldsets
+        ]
+
+    @admin.display(description="what if")
+    def what_if_link(self, turn: Turn) -> str:
+        return format_html('<a href="?what_if=1#what-if">{}</a>', "Replay this turn under every configured strategy")
+
     @admin.display(description="what if")
     def what_if(self, turn: Turn) -> str:
         """Every configured strategy's prompt for this turn, and why the cache broke (chatapp.counterfactual)."""
@@ -279,7 +295,8 @@ class TurnAdmin(ReadOnly, TurnTimings, admin.ModelAdmin):
         except NoNodeUp as exc:
             return str(exc)
         context = {"turn": turn, "what_if": what_if, "cache_break": cache_break(turn)}
-        return mark_safe(render_to_string("chat/what_if.html", context))  # noqa: S308 -- an escaping template
+        table = mark_safe(render_to_string("chat/what_if.html", context))  # noqa: S308 -- an escaping template
+        return format_html('<div id="what-if">{}</div>', table)
 
     @admin.display(description="attempt history")
     def attempts(self, turn: Turn) -> str:

@@ -179,6 +179,13 @@ def test_a_turns_page_shows_its_prompt_segment_by_segment_with_markers_apart(adm
     for dropped in turn.trace["dropped"]:
         assert f'<a href="{reverse("admin:chatapp_message_change", args=[dropped])}">#{dropped}</a>' in page
     assert reverse("admin:chatapp_conversation_change", args=[conversation.pk]) in page
+    # Replaying the conversation under every strategy is asked for, not done on every view.
+    assert 'href="?what_if=1#what-if"' in page and "(used)" not in page
+    NodeFactory.create(name="limits", n_ctx=engine.n_ctx, max_reply_tokens=16)
+    Turn.objects.filter(pk=turn.pk).update(status=Turn.Status.DONE, node="limits")
+    url = reverse("admin:chatapp_turn_change", args=[turn.pk])
+    what_if = admin_client.get(url, {"what_if": "1"}).content.decode().split('<div id="what-if">', 1)[1]
+    assert "small_pinned (used)" in what_if and "<th>computed</th>" in what_if
 
 
 def test_a_turns_page_shows_its_attempts_and_links_to_its_node_and_assignment(admin_client, idle_node):
