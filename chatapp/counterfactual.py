@@ -17,6 +17,7 @@ from django.db.models import QuerySet
 
 from chatapp.experiments.model_free import ModelFreeSession
 from chatapp.memory.assembly import names_of, stored_message
+from chatapp.memory.base import StoredMessage
 from chatapp.memory.registry import strategy_aliases, strategy_get
 from chatapp.models import Message, Turn, UserFact
 from chatapp.turn_inspection import segment_label
@@ -66,11 +67,14 @@ def _replay_all(turn: Turn) -> list[WhatIf]:
     fmt = served_chat_format(served)
     max_tokens = int(turn.sampling.get("max_tokens") or served.max_reply_tokens)
     budget = served.n_ctx - max_tokens - fmt.overhead
-    messages = list(_messages_up_to(turn))
-    return [_replay(alias, turn, messages, fmt, budget) for alias in strategy_aliases()]
+    stored = [stored_message(m, model=turn.model) for m in _messages_up_to(turn)]
+    facts = list(UserFact.objects.filter(owner_id=turn.conversation.owner_id).values_list("text", flat=True))
+    return [_replay(alias, turn, stored, facts, fmt, budget) for alias in strategy_aliases()]
 
 
-def _replay(alias: str, turn: Turn, messages: list[Message], fmt: ChatFormat, budget: int) -> WhatIf:
+def _replay(
+    alias: str, turn: Turn, stored: list[StoredMessage], facts: list[str], fmt: ChatFormat, budget: int
+) -> WhatIf:
     conversation = turn.conversation
     options = turn.strategy_options if alias == turn.strategy else None
     session = ModelFreeSession(
@@ -79,9 +83,8 @@ def _replay(alias: str, turn: Turn, messages: list[Message], fmt: ChatFormat, bu
         budget,
         names=names_of(conversation),
         system_prompt=conversation.system_prompt or settings.CHAT_SYSTEM_PROMPT,
-        facts=list(UserFact.objects.filter(owner_id=conversation.owner_id).values_list("text", flat=True)),
+        facts=facts,
     )
-    stored = [stored_message(m, model=turn.model) for m in messages]
     result = None
     for index, message in enumerate(stored):
         if message.role != "user":
