@@ -128,9 +128,13 @@ def _router_metrics() -> Iterator[Metric]:
     assignments = GaugeMetricFamily("chat_router_assignments", "Sessions assigned, by node", labels=["node"])
     for node, n in SessionAssignment.objects.values_list("node__name").annotate(n=Count("id")).order_by():
         assignments.add_metric([node], n)
-    moves = CounterMetricFamily("chat_router_moves", "Sessions moved to another node, by reason", labels=["reason"])
-    for reason, n in AssignmentMove.objects.values_list("reason").annotate(n=Count("id")).order_by():
-        moves.add_metric([reason], n)
+    moves = CounterMetricFamily(
+        "chat_router_moves",
+        "Sessions moved to another node, by reason and what the node left held (resident or ram: warm)",
+        labels=["reason", "held"],
+    )
+    for reason, held, n in AssignmentMove.objects.values_list("reason", "held").annotate(n=Count("id")).order_by():
+        moves.add_metric([reason, held], n)
     yield from (assignments, moves)
 
 

@@ -47,11 +47,15 @@ class Heartbeat:
         sample = now >= self._next_sample
         if sample:
             self._next_sample = now + settings.ROUTER_NODE_SAMPLE_SECONDS
+        places = self.engine.session_places(SESSIONS_LISTED + 1)
+        listed = {
+            "sessions": dict(list(places.items())[:SESSIONS_LISTED]),
+            "sessions_complete": len(places) <= SESSIONS_LISTED,
+        }
         status = node_heartbeat(
             name=self.name,
             capacity=self.capacity,
-            stats=dataclasses.asdict(stats)
-            | {"sessions": self.engine.session_places(SESSIONS_LISTED), "totals": self.engine.metrics.snapshot()},
+            stats=dataclasses.asdict(stats) | listed | {"totals": self.engine.metrics.snapshot()},
             incarnation=self.incarnation,
             served=self.served,
             sample=sample,

@@ -70,11 +70,13 @@ def _row(entry: Turn | AssignmentMove) -> SafeString:
     when = entry.created_at.strftime("%Y-%m-%d %H:%M:%S")
     if isinstance(entry, AssignmentMove):
         return format_html(
-            '<tr class="move"><td>{}</td><td colspan="7">router moved the session from {} to {}: {}</td></tr>',
+            '<tr class="move"><td>{}</td><td colspan="7">router moved the session from {} to {}: {} '
+            "(it held: {})</td></tr>",
             when,
             entry.from_node,
             entry.to_node,
             entry.reason,
+            entry.get_held_display(),
         )
     tokens = f"{entry.prompt_tokens} / {entry.cached_tokens} / {entry.computed_tokens}" if entry.prompt_tokens else ""
     return format_html(

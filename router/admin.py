@@ -126,6 +126,6 @@ def _mover(node_name: str):
 
 @admin.register(AssignmentMove)
 class AssignmentMoveAdmin(ReadOnly, admin.ModelAdmin):
-    list_display = ("session_key", "from_node", "to_node", "reason", "created_at")
-    list_filter = ("reason", "to_node")
+    list_display = ("session_key", "from_node", "to_node", "reason", "held", "created_at")
+    list_filter = ("reason", "held", "to_node")
     search_fields = ("session_key",)

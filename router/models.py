@@ -59,10 +59,20 @@ class SessionAssignment(models.Model):
 class AssignmentMove(models.Model):
     """A session that changed node, and why: each move costs a cold prefill on the new node."""
 
+    class Held(models.TextChoices):
+        """What the node it left held of the session's cached state, as its last heartbeat said."""
+
+        RESIDENT = "resident", "resident in its context"
+        RAM = "ram", "spilled to its RAM"
+        DISK = "disk", "in its disk tier"
+        NONE = "none", "nothing (a free move)"
+        UNKNOWN = "unknown", "not known (not reported)"
+
     session_key = models.CharField(max_length=200, db_index=True)
     from_node = models.CharField(max_length=100)
     to_node = models.CharField(max_length=100)
     reason = models.CharField(max_length=200)
+    held = models.CharField(max_length=16, choices=Held.choices, default=Held.UNKNOWN)
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
 
     class Meta:
@@ -70,6 +80,11 @@ class AssignmentMove(models.Model):
 
     def __str__(self) -> str:
         return f"{self.session_key}: {self.from_node} -> {self.to_node} ({self.reason})"
+
+    @property
+    def warm(self) -> bool:
+        """The session left a cache its old node held in memory: the move costs it that cache."""
+        return self.held in (self.Held.RESIDENT, self.Held.RAM)
 
 
 class NodeSample(models.Model):

@@ -297,6 +297,17 @@ def assignment_end(*, session_key: str) -> str | None:
         return assignment.node.name
 
 
+def held_by(node: Node, session_key: str) -> str:
+    """What `node` held of the session's cached state at its last heartbeat (AssignmentMove.Held)."""
+    stats = node.stats
+    listed = stats.get("sessions")
+    if listed is None:
+        return AssignmentMove.Held.UNKNOWN
+    if session_key in listed:
+        return listed[session_key]
+    return AssignmentMove.Held.NONE if stats.get("sessions_complete") else AssignmentMove.Held.UNKNOWN
+
+
 def _locked_assignment(session_key: str) -> SessionAssignment | None:
     """The session's assignment with its node, locked for this transaction; None if it has none."""
     return (
@@ -315,7 +326,11 @@ def _move(assignment: SessionAssignment, to: Node, reason: str) -> None:
     Node.objects.filter(pk=assignment.node_id).update(sessions=F("sessions") - 1)
     Node.objects.filter(pk=to.pk).update(sessions=F("sessions") + 1)
     AssignmentMove.objects.create(
-        session_key=assignment.session_key, from_node=from_name, to_node=to.name, reason=reason
+        session_key=assignment.session_key,
+        from_node=from_name,
+        to_node=to.name,
+        reason=reason,
+        held=held_by(assignment.node, assignment.session_key),
     )
     assignment.node = to
     assignment.reason = reason

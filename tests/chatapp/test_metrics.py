@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from chatapp.models import Turn
 from chatapp.turns import admission
-from router.models import Node
+from router.models import AssignmentMove, Node
 from router.services import assignment_move
 from tests.factories import ConversationFactory, NodeFactory
 from tests.helpers import wait_for_turn, wait_until
@@ -65,15 +65,19 @@ def test_api_errors_and_router_moves_are_counted(client, node, user):
     assert response.status_code in (400, 401)
     code = json.loads(response.content)["error"]["code"] or str(response.status_code)
     conversation = ConversationFactory.create()
-    admission.turn_start(conversation=conversation, text="hi")
+    wait_for_turn(admission.turn_start(conversation=conversation, text="hi"))
+    key = conversation.session_key
+    held = lambda: Node.objects.get(name=node).stats.get("sessions", {}).get(key)  # noqa: E731
+    wait_until(lambda: held() == "resident", 10, "the node to report the session")
     NodeFactory.create(name=f"spare-{time.monotonic_ns()}")
     spare = Node.objects.exclude(name=node).filter(status=Node.Status.UP).latest("id")
     assignment_move(session_key=conversation.session_key, node_name=spare.name, reason="moved by an operator")
     after = scrape(client)
     errors = ("chat_api_errors_total", (("code", code),))
     assert after[errors] == before.get(errors, 0) + 1
-    moves = ("chat_router_moves_total", (("reason", "moved by an operator"),))
-    assert after[moves] == before.get(moves, 0) + 1
+    moves = ("chat_router_moves_total", (("held", "resident"), ("reason", "moved by an operator")))
+    assert after[moves] == before.get(moves, 0) + 1  # the move cost the session its resident cache
+    assert AssignmentMove.objects.get(session_key=key).warm
 
 
 def test_readyz_needs_postgres_redis_and_a_node(client, node):

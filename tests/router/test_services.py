@@ -113,3 +113,21 @@ def test_concurrent_first_turns_of_a_session_get_the_same_node(settings):
     assert SessionAssignment.objects.filter(session_key="racing").count() == 1
     # Counted once. (A live test node re-registering by heartbeat may be among the candidates; fine.)
     assert sum(Node.objects.values_list("sessions", flat=True)) == 1
+
+
+def test_a_move_records_what_the_node_it_left_held(nodes):
+    """From the left node's last heartbeat: the session's place, nothing (a free move: its list is whole),
+    or unknown (its list was cut at the cap, or it never reported one)."""
+    left, target = nodes[0], nodes[1]
+    cases = {
+        "warm": ({"sessions": {"warm": "ram"}, "sessions_complete": True}, "ram"),
+        "cold": ({"sessions": {"warm": "ram"}, "sessions_complete": True}, "none"),
+        "cut": ({"sessions": {"warm": "ram"}, "sessions_complete": False}, "unknown"),
+        "silent": ({}, "unknown"),
+    }
+    for key, (stats, held) in cases.items():
+        Node.objects.filter(pk=left.pk).update(stats=stats)
+        services.assignment_move(session_key=key, node_name=left.name)
+        services.assignment_move(session_key=key, node_name=target.name)
+        move = AssignmentMove.objects.get(session_key=key, to_node=target.name)
+        assert (move.held, move.warm) == (held, held == "ram"), key
