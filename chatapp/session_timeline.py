@@ -1,15 +1,13 @@
 """A conversation's session, as the admin shows it: its turns in order with the router's moves between
 them, and a chart of the prompt and computed tokens of each turn."""
 
-import base64
-import io
-
 from django.urls import reverse
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 from matplotlib.figure import Figure
 
 from chatapp.models import Conversation, Turn
+from router.charts import png_data_url
 from router.models import AssignmentMove
 
 
@@ -39,10 +37,7 @@ def tokens_chart(turns: list[Turn]) -> str:
     ax.set_xlabel("turn")
     ax.set_ylabel("tokens")
     ax.legend(loc="upper left", fontsize="small")
-    figure.tight_layout()
-    png = io.BytesIO()
-    figure.savefig(png, format="png")
-    return "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    return png_data_url(figure)
 
 
 def render_timeline(conversation: Conversation) -> SafeString:

@@ -1,14 +1,12 @@
 """A node as its admin page shows it: its load over time (from the samples its heartbeats keep) and the
 sessions it holds, each with where its cached state is."""
 
-import base64
-import io
-
 from django.urls import reverse
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 from matplotlib.figure import Figure
 
+from router.charts import png_data_url
 from router.models import Node, NodeSample, SessionAssignment
 
 SESSIONS_SHOWN = 100
@@ -33,10 +31,7 @@ def load_chart(node: Node) -> str:
     sessions.set_ylabel("sessions")
     sessions.legend(loc="upper left", fontsize="small")
     figure.autofmt_xdate()
-    figure.tight_layout()
-    png = io.BytesIO()
-    figure.savefig(png, format="png")
-    return "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    return png_data_url(figure)
 
 
 def render_load(node: Node) -> SafeString:
