@@ -130,11 +130,13 @@ def _router_metrics() -> Iterator[Metric]:
         assignments.add_metric([node], n)
     moves = CounterMetricFamily(
         "chat_router_moves",
-        "Sessions moved to another node, by reason and what the node left held (resident or ram: warm)",
-        labels=["reason", "held"],
+        "Sessions moved to another node, by reason, what the node left held, and whether the router knew the "
+        "session was cold (warm: held resident or in ram, and not cold)",
+        labels=["reason", "held", "cold"],
     )
-    for reason, held, n in AssignmentMove.objects.values_list("reason", "held").annotate(n=Count("id")).order_by():
-        moves.add_metric([reason, held], n)
+    counted = AssignmentMove.objects.values_list("reason", "held", "cold").annotate(n=Count("id")).order_by()
+    for reason, held, cold, n in counted:
+        moves.add_metric([reason, held, str(cold).lower()], n)
     yield from (assignments, moves)
 
 

@@ -148,9 +148,22 @@ ROUTER_NODE_TIMEOUT_SECONDS = env.float("ROUTER_NODE_TIMEOUT_SECONDS", default=1
 # A node's load is kept every this many seconds, for this many hours: its admin page charts it.
 ROUTER_NODE_SAMPLE_SECONDS = env.float("ROUTER_NODE_SAMPLE_SECONDS", default=10.0)
 ROUTER_NODE_HISTORY_HOURS = env.float("ROUTER_NODE_HISTORY_HOURS", default=24.0)
+# How old a router's view of the nodes' loads may get before it reads them again (each decision checks
+# the node it writes to is still healthy, whatever the view says).
+ROUTER_VIEW_SECONDS = env.float("ROUTER_VIEW_SECONDS", default=1.0)
 ROUTER_DEFAULT_POLICY = env.str("ROUTER_DEFAULT_POLICY", default="sticky")
 ROUTER_POLICIES = {
-    "sticky": {"BACKEND": "router.policies.StickyPolicy", "OPTIONS": {"load_factor": 1.25}},
+    # Balances sessions, the engine's work and KV use (router.policies.LoadModel). Past 1.25x the mean
+    # load, cold sessions move (to the least loaded of 3 nodes drawn); warm ones only past 2x.
+    "sticky": {
+        "BACKEND": "router.policies.StickyPolicy",
+        "OPTIONS": {"load_factor": 1.25, "weights": {"sessions": 1, "work": 2, "kv": 1}, "warm_factor": 2.0},
+    },
+    # The policy before: sessions alone, any session moves past the bound.
+    "sticky_sessions": {
+        "BACKEND": "router.policies.StickyPolicy",
+        "OPTIONS": {"load_factor": 1.25, "cold_moves": False},
+    },
     "round_robin": {"BACKEND": "router.policies.RoundRobinPolicy"},
     "least_loaded": {"BACKEND": "router.policies.LeastLoadedPolicy"},
     "random": {"BACKEND": "router.policies.RandomPolicy"},

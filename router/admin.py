@@ -31,6 +31,7 @@ class NodeAdmin(ReadOnly, admin.ModelAdmin):
         "sessions",
         "capacity",
         "running",
+        "work",
         "kv_used",
         "on_disk",
         "last_heartbeat",
@@ -41,7 +42,22 @@ class NodeAdmin(ReadOnly, admin.ModelAdmin):
     fieldsets = (
         (None, {"fields": ("name", "status", "healthy", "last_heartbeat", "started_at", "incarnation")}),
         ("Serves", {"fields": ("model", "model_path", "chat_template", "n_ctx", "max_reply_tokens", "capacity")}),
-        ("Load", {"fields": ("running", "kv_used", "load", "sessions", "held_sessions", "on_disk", "kv_store")}),
+        (
+            "Load",
+            {
+                "fields": (
+                    "running",
+                    "work",
+                    "kv_use",
+                    "kv_used",
+                    "load",
+                    "sessions",
+                    "held_sessions",
+                    "on_disk",
+                    "kv_store",
+                )
+            },
+        ),
         ("Raw stats", {"classes": ["collapse"], "fields": ("stats",)}),
     )
     readonly_fields = ("healthy", "running", "kv_used", "load", "held_sessions", "on_disk")
@@ -96,8 +112,8 @@ class SessionAssignmentAdmin(ReadOnly, admin.ModelAdmin):
     """Moves go through the router's service (an action per node that is up), so loads and the move log
     stay right."""
 
-    list_display = ("session_key", "node", "reason", "moves", "assigned_at", "moved_at")
-    list_filter = ("node", "reason")
+    list_display = ("session_key", "node", "reason", "moves", "cold", "assigned_at", "moved_at")
+    list_filter = ("node", "reason", "cold")
     search_fields = ("session_key",)
     list_select_related = ("node",)
 
@@ -126,6 +142,11 @@ def _mover(node_name: str):
 
 @admin.register(AssignmentMove)
 class AssignmentMoveAdmin(ReadOnly, admin.ModelAdmin):
-    list_display = ("session_key", "from_node", "to_node", "reason", "held", "created_at")
-    list_filter = ("reason", "held", "to_node")
+    list_display = ("session_key", "from_node", "to_node", "reason", "held", "cold", "warm", "created_at")
+    list_filter = ("reason", "held", "cold", "to_node")
+
+    @admin.display(boolean=True, description="warm (it lost a usable cache)")
+    def warm(self, move: AssignmentMove) -> bool:
+        return move.warm
+
     search_fields = ("session_key",)

@@ -26,8 +26,11 @@ class Node(models.Model):
         blank=True,
         help_text="Its KV disk tier (host:directory); nodes sharing one restore each other's sessions.",
     )
-    # Sessions currently assigned here: the load that bounded-load hashing balances.
+    # Sessions currently assigned here, and the engine's load from its heartbeats: what the router
+    # balances (router.policies.LoadModel weighs them).
     sessions = models.IntegerField(default=0)
+    work = models.FloatField(default=0.0, help_text="Requests running and waiting, smoothed over heartbeats.")
+    kv_use = models.FloatField(default=0.0, help_text="Share of its KV cells in use at its last heartbeat.")
     stats = models.JSONField(default=dict, blank=True, help_text="The engine's latest NodeStats.")
     last_heartbeat = models.DateTimeField(null=True, blank=True)
     # Which process serves under this name now (set at its start): heartbeats and claims of an earlier
@@ -51,6 +54,9 @@ class SessionAssignment(models.Model):
     assigned_at = models.DateTimeField(auto_now_add=True)
     moved_at = models.DateTimeField(null=True, blank=True)
     moves = models.PositiveIntegerField(default=0)
+    # Its node dropped its cached state from memory (told by the node's heartbeat): its next turn recomputes
+    # its prompt wherever it runs, so the router may move it for free.
+    cold = models.BooleanField(default=False)
 
     def __str__(self) -> str:
         return f"{self.session_key} -> {self.node_id}"
@@ -73,6 +79,9 @@ class AssignmentMove(models.Model):
     to_node = models.CharField(max_length=100)
     reason = models.CharField(max_length=200)
     held = models.CharField(max_length=16, choices=Held.choices, default=Held.UNKNOWN)
+    # The router knew the session's cache was cold (its node dropped it, or its next prompt breaks its
+    # prefix), whatever its old node still held.
+    cold = models.BooleanField(default=False)
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
 
     class Meta:
@@ -83,8 +92,8 @@ class AssignmentMove(models.Model):
 
     @property
     def warm(self) -> bool:
-        """The session left a cache its old node held in memory: the move costs it that cache."""
-        return self.held in (self.Held.RESIDENT, self.Held.RAM)
+        """The session left a usable cache its old node held in memory: the move costs it that cache."""
+        return not self.cold and self.held in (self.Held.RESIDENT, self.Held.RAM)
 
 
 class NodeSample(models.Model):

@@ -7,6 +7,8 @@ longer healthy and is marked down by the next reaper pass.
 
 import dataclasses
 import hashlib
+import threading
+import time
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
@@ -14,11 +16,13 @@ from typing import Any
 from django.conf import settings
 from django.db import connection, transaction
 from django.db.models import F, Q
+from django.db.models.signals import post_save
+from django.dispatch import receiver
 from django.utils import timezone
 
 from router import registry
 from router.models import AssignmentMove, Node, NodeSample, SessionAssignment
-from router.policies import NodeLoad, RoutingPolicy
+from router.policies import ClusterView, NodeLoad, RoutingPolicy, smoothed
 
 # The load figures a node's history keeps from its heartbeats' stats.
 SAMPLED = (
@@ -74,7 +78,9 @@ def node_heartbeat(
     *, name: str, capacity: int, stats: dict[str, Any], incarnation: str, served: ServedModel, sample: bool = False
 ) -> Node.Status | None:
     """Register the node (up, if new) or refresh its heartbeat and stats, if `incarnation` is the process
-    serving under this name; with `sample`, also keep its load in its history. A node marked unresponsive
+    serving under this name; with `sample`, also keep its load in its history. Its work (requests running
+    and waiting, smoothed) and KV use are what the router balances; the sessions it reports `dropped` from
+    memory are marked cold, so the router may move them for free. A node marked unresponsive
     while it was alive (stalled) is up again; a drained or downed node stays so. A heartbeat from a process
     that another has replaced changes nothing. Returns the node's status (None: another process serves
     under the name)."""
@@ -94,9 +100,13 @@ def node_heartbeat(
         for field, value in fields.items():
             setattr(node, field, value)
         node.incarnation = incarnation
+        node.work = smoothed(node.work, int(stats.get("running") or 0) + int(stats.get("waiting") or 0))
+        node.kv_use = (stats.get("kv_cells_used") or 0) / (stats.get("kv_cells_total") or 1)
         if node.status == Node.Status.UNRESPONSIVE:
             node.status = Node.Status.UP
-        node.save(update_fields=[*fields, "incarnation", "status"])
+        node.save(update_fields=[*fields, "incarnation", "status", "work", "kv_use"])
+        if dropped := stats.get("dropped"):
+            SessionAssignment.objects.filter(node=node, session_key__in=dropped, cold=False).update(cold=True)
         return Node.Status(node.status)
 
 
@@ -124,6 +134,7 @@ def node_stop(*, name: str, incarnation: str) -> bool:
 
 def node_set_status(*, name: str, status: Node.Status) -> None:
     Node.objects.filter(name=name).update(status=status)
+    views_forget()
 
 
 def nodes_reap() -> list[str]:
@@ -136,6 +147,8 @@ def nodes_reap() -> list[str]:
             .values_list("name", flat=True)
         )
         Node.objects.filter(name__in=stale).update(status=Node.Status.UNRESPONSIVE)
+    if stale:
+        views_forget()
     return stale
 
 
@@ -155,8 +168,12 @@ def is_healthy(node: Node) -> bool:
 
 def healthy_nodes(*, model: str | None = None) -> list[Node]:
     """Nodes that may take new sessions: all of them, or those serving `model`."""
+    return list(_healthy(model).order_by("name"))
+
+
+def _healthy(model: str | None):
     nodes = Node.objects.filter(status=Node.Status.UP).exclude(_stale_q())
-    return list((nodes if model is None else nodes.filter(model=model)).order_by("name"))
+    return nodes if model is None else nodes.filter(model=model)
 
 
 def served_models() -> dict[str, ServedModel]:
@@ -183,62 +200,181 @@ def known_models() -> set[str]:
 # Assignment ---------------------------------------------------------------------
 
 
-def session_node(*, session_key: str, policy: str | None = None, model: str | None = None) -> Node:
+def session_node(*, session_key: str, policy: str | None = None, model: str | None = None, cold: bool = False) -> Node:
     """The node for this session's next turn, among the healthy nodes serving `model` (None: any): kept
-    while healthy and not overloaded, else moved and recorded.
+    while healthy and within the policy's load bound, else moved and recorded. `cold`: the caller knows
+    the session's cache is no use for this turn (its prompt will break its prefix), so a move is free.
 
-    The common cases cost one statement each: a follow-up that stays put is
-    decided from a single read, and a new session is placed by a single insert
-    that also counts it. Moving a session (its node is down, draining or
-    overloaded, or another request placed it first) locks its assignment row
-    and decides again under the lock, so racing turns of one session agree.
+    The common cases cost one statement each and no scan of the nodes: a follow-up that stays put is
+    decided from its own row and its node's (joined), against this process's view of the cluster; a new
+    session is placed by a single statement that checks its node is still healthy and counts it. Moving a
+    session (its node is down, draining or overloaded, or another request placed it first) locks its
+    assignment row and decides again under the lock, so racing turns of one session agree.
     """
     chooser = policy_get(policy)
-    nodes, current = _healthy_nodes_and_current(session_key, model)
-    if not nodes:
-        serving = f" serves the model {model}" if model else " is up"
-        raise NoHealthyNode(f"No inference node{serving}; try again shortly.")
-    by_name = {n.name: n for n in nodes}
-    loads = [NodeLoad(n.name, n.sessions) for n in nodes]
-    if current is not None and chooser.choose(session_key=session_key, current=current, nodes=loads).node == current:
-        return by_name[current]
-    if current is None:
-        choice = chooser.choose(session_key=session_key, current=None, nodes=loads)
-        if _place_new(session_key, by_name[choice.node], choice.reason):
-            return by_name[choice.node]
+    node = _assigned_node(session_key)
+    was_cold = node is not None and node.assignment_cold  # type: ignore[attr-defined]
+    if node is not None and _serves(node, model) and _stays(chooser, session_key, node, model, cold or was_cold):
+        if was_cold:  # its turn runs there: warm again
+            SessionAssignment.objects.filter(session_key=session_key).update(cold=False)
+        return node
+    for attempt in range(2):  # the second time with the nodes read afresh: the view named one no longer healthy
+        if node is None:
+            placed = _place(chooser, session_key, model, refresh=attempt > 0)
+            if placed is not None:
+                return placed
+            node = _assigned_node(session_key)  # None: the node was no longer healthy; else a racer placed it
+            if node is None:
+                continue
+        moved = _move_locked(chooser, session_key, model, cold, refresh=attempt > 0)
+        if moved is not None:
+            return moved
+        node = None
+    raise NoHealthyNode(_no_node_message(model))
+
+
+def _stays(chooser: RoutingPolicy, session_key: str, node: Node, model: str | None, cold: bool) -> bool:
+    """Whether the policy keeps the session on its healthy node, judged on that node's figures now."""
+    current = _load_of(node)
+    with _VIEWS.lock:
+        view, _ = _VIEWS.get(model)
+        if node.name not in view:  # a node that joined since the view was read
+            view, _ = _VIEWS.get(model, refresh=True)
+        if node.name not in view:
+            return True
+        view.update(current)
+        return chooser.choose(session_key=session_key, current=current, view=view, cold=cold).node == node.name
+
+
+def _place(chooser: RoutingPolicy, session_key: str, model: str | None, *, refresh: bool) -> Node | None:
+    """Place a session that has no node; None if another request placed it first, or if the chosen node was
+    no longer healthy (the view is then read afresh next time)."""
+    with _VIEWS.lock:
+        view, by_name = _VIEWS.get(model, refresh=refresh)
+        if not len(view):
+            raise NoHealthyNode(_no_node_message(model))
+        choice = chooser.choose(session_key=session_key, current=None, view=view)
+    if _place_new(session_key, by_name[choice.node], choice.reason):
+        _VIEWS.counted(model, choice.node, 1)
+        return by_name[choice.node]
+    _VIEWS.forget(model)
+    return None
+
+
+def _move_locked(
+    chooser: RoutingPolicy, session_key: str, model: str | None, cold: bool, *, refresh: bool
+) -> Node | None:
+    """Decide again under the session's row lock, and move it if the policy says so; None if the chosen node
+    was no longer healthy."""
     with transaction.atomic():
         assignment = (
             SessionAssignment.objects.select_for_update(of=("self",))
             .select_related("node")
             .get(session_key=session_key)
         )
-        current = assignment.node.name if assignment.node.name in by_name else None
-        if current is None:  # it must leave its node: prefer those that can restore its state from disk
-            loads = [n for n in loads if _shares_state(by_name[n.name], assignment.node)] or loads
-        choice = chooser.choose(session_key=session_key, current=current, nodes=loads)
-        if choice.node != assignment.node.name:
-            _move(assignment, by_name[choice.node], choice.reason if current else _why_moved(assignment.node, model))
-        return by_name[choice.node]
+        old = assignment.node
+        cold = cold or assignment.cold
+        with _VIEWS.lock:
+            view, by_name = _VIEWS.get(model, refresh=refresh)
+            if _serves(old, model) and old.name not in view:  # a node that joined since the view was read
+                view, by_name = _VIEWS.get(model, refresh=True)
+            current = _load_of(old) if old.name in view and _serves(old, model) else None
+            if current is None:  # it must leave: prefer the nodes that can restore it from their disk tier
+                sharing = [name for name, n in by_name.items() if _shares_state(n, old)]
+                view = view.only(sharing) if sharing else view
+            else:
+                view.update(current)
+            if not len(view):
+                raise NoHealthyNode(_no_node_message(model))
+            choice = chooser.choose(session_key=session_key, current=current, view=view, cold=cold)
+        if choice.node == old.name:
+            return old
+        reason = choice.reason if current is not None else _why_moved(old, model)
+        if not _move(assignment, by_name[choice.node], reason, cold=cold, only_if_healthy=True):
+            return None
+    _VIEWS.counted(model, old.name, -1)
+    _VIEWS.counted(model, choice.node, 1)
+    return by_name[choice.node]
 
 
-def _healthy_nodes_and_current(session_key: str, model: str | None) -> tuple[list[Node], str | None]:
-    """Healthy nodes (of `model`) with their loads, and the session's node if it is one of them: one query
-    (hot path)."""
-    nodes = list(
-        Node.objects.raw(
+def _no_node_message(model: str | None) -> str:
+    serving = f" serves the model {model}" if model else " is up"
+    return f"No inference node{serving}; try again shortly."
+
+
+_ASSIGNED_COLUMNS = ("id", "name", "queue", "status", "capacity", "sessions", "work", "kv_use", "last_heartbeat")
+
+
+def _assigned_node(session_key: str) -> Node | None:
+    """The session's node with its load now (not its stats, which can be large), and whether the session
+    is cold there: one indexed read, on the hot path (a plain cursor: a third of the ORM's cost)."""
+    with connection.cursor() as cursor:
+        cursor.execute(
             """
-            SELECT n.id, n.name, n.queue, n.status, n.capacity, n.sessions, n.last_heartbeat, n.model, n.kv_store,
-                   EXISTS (SELECT 1 FROM router_sessionassignment a
-                           WHERE a.session_key = %s AND a.node_id = n.id) AS is_current
-            FROM router_node n
-            WHERE n.status = %s AND n.last_heartbeat >= %s AND (%s::text IS NULL OR n.model = %s)
-            ORDER BY n.name
+            SELECT n.id, n.name, n.queue, n.status, n.capacity, n.sessions, n.work, n.kv_use, n.last_heartbeat,
+                   n.model, n.kv_store, a.cold
+            FROM router_sessionassignment a JOIN router_node n ON n.id = a.node_id
+            WHERE a.session_key = %s
             """,
-            [session_key, Node.Status.UP, _heartbeat_cutoff(), model, model],
+            [session_key],
         )
-    )
-    current = next((n.name for n in nodes if n.is_current), None)  # type: ignore[attr-defined]
-    return nodes, current
+        row = cursor.fetchone()
+    if row is None:
+        return None
+    *columns, model, kv_store, cold = row
+    node = Node(**dict(zip(_ASSIGNED_COLUMNS, columns, strict=True)), model=model, kv_store=kv_store)
+    node.assignment_cold = cold  # type: ignore[attr-defined]
+    return node
+
+
+def _serves(node: Node, model: str | None) -> bool:
+    return is_healthy(node) and (model is None or node.model == model)
+
+
+def _load_of(node: Node) -> NodeLoad:
+    return NodeLoad(node.name, node.sessions, node.work, node.kv_use)
+
+
+class _ClusterViews:
+    """This process's view of the healthy nodes, per model: read every ROUTER_VIEW_SECONDS (one scan of
+    the nodes, shared by all decisions in between), kept up to date with this process's own placements,
+    and read again at once when a decision finds it out of date. Other routers' placements show at the
+    next read; a node that stopped being healthy is never assigned, since every write checks it."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self._views: dict[str | None, tuple[float, ClusterView, dict[str, Node]]] = {}
+
+    def get(self, model: str | None, *, refresh: bool = False) -> tuple[ClusterView, dict[str, Node]]:
+        """Call holding `lock`."""
+        now = time.monotonic()
+        cached = self._views.get(model)
+        if refresh or cached is None or now - cached[0] > settings.ROUTER_VIEW_SECONDS:
+            nodes = list(_healthy(model).defer("stats"))
+            cached = (now, ClusterView(_load_of(n) for n in nodes), {n.name: n for n in nodes})
+            self._views[model] = cached
+        return cached[1], cached[2]
+
+    def counted(self, model: str | None, name: str, delta: int) -> None:
+        with self.lock:
+            cached = self._views.get(model)
+            if cached is not None and name in cached[1]:
+                cached[1].add_sessions(name, delta)
+
+    def forget(self, model: str | None = None, *, every: bool = False) -> None:
+        with self.lock:
+            if every:
+                self._views.clear()
+            else:
+                self._views.pop(model, None)
+
+
+_VIEWS = _ClusterViews()
+
+
+def views_forget() -> None:
+    """Read the nodes afresh at the next decision (this process changed a node's status)."""
+    _VIEWS.forget(every=True)
 
 
 def _shares_state(node: Node, old: Node) -> bool:
@@ -251,19 +387,22 @@ def _why_moved(node: Node, model: str | None) -> str:
 
 
 def _place_new(session_key: str, node: Node, reason: str) -> bool:
-    """Assign a session that has no node yet and count it, in one statement; False if it already has one."""
+    """Assign a session that has no node yet to `node` if it is still healthy, and count it, in one
+    statement; False if it already has one or the node is no longer healthy."""
     with connection.cursor() as cursor:
         cursor.execute(
             """
-            WITH placed AS (
-                INSERT INTO router_sessionassignment (session_key, node_id, reason, assigned_at, moves)
-                VALUES (%s, %s, %s, now(), 0)
+            WITH target AS (
+                SELECT id FROM router_node WHERE id = %s AND status = %s AND last_heartbeat >= %s
+            ), placed AS (
+                INSERT INTO router_sessionassignment (session_key, node_id, reason, assigned_at, moves, cold)
+                SELECT %s, id, %s, now(), 0, false FROM target
                 ON CONFLICT (session_key) DO NOTHING
                 RETURNING node_id
             )
             UPDATE router_node SET sessions = sessions + 1 WHERE id IN (SELECT node_id FROM placed) RETURNING id
             """,
-            [session_key, node.pk, reason],
+            [node.pk, Node.Status.UP, _heartbeat_cutoff(), session_key, reason],
         )
         return cursor.fetchone() is not None
 
@@ -318,11 +457,18 @@ def _locked_assignment(session_key: str) -> SessionAssignment | None:
     )
 
 
-def _move(assignment: SessionAssignment, to: Node, reason: str) -> None:
-    """Call inside the transaction that locked `assignment`."""
+def _move(
+    assignment: SessionAssignment, to: Node, reason: str, *, cold: bool = False, only_if_healthy: bool = False
+) -> bool:
+    """Call inside the transaction that locked `assignment`. With `only_if_healthy`, False (and nothing
+    changed) if `to` is no longer healthy under its lock."""
     from_name = assignment.node.name
     # Lock both nodes in one order (by pk) so that opposite moves cannot deadlock.
-    list(Node.objects.select_for_update().filter(pk__in=[assignment.node_id, to.pk]).order_by("pk"))
+    locked = {
+        n.pk: n for n in Node.objects.select_for_update().filter(pk__in=[assignment.node_id, to.pk]).order_by("pk")
+    }
+    if only_if_healthy and (to.pk not in locked or not is_healthy(locked[to.pk])):
+        return False
     Node.objects.filter(pk=assignment.node_id).update(sessions=F("sessions") - 1)
     Node.objects.filter(pk=to.pk).update(sessions=F("sessions") + 1)
     AssignmentMove.objects.create(
@@ -331,9 +477,18 @@ def _move(assignment: SessionAssignment, to: Node, reason: str) -> None:
         to_node=to.name,
         reason=reason,
         held=held_by(assignment.node, assignment.session_key),
+        cold=cold,
     )
     assignment.node = to
     assignment.reason = reason
     assignment.moved_at = timezone.now()
     assignment.moves = F("moves") + 1
-    assignment.save(update_fields=["node", "reason", "moved_at", "moves"])
+    assignment.cold = False
+    assignment.save(update_fields=["node", "reason", "moved_at", "moves", "cold"])
+    return True
+
+
+@receiver(post_save, sender=Node)
+def _node_saved(*, created: bool, **kwargs: Any) -> None:
+    if created:  # a node registered from this process: decide with it at once
+        views_forget()

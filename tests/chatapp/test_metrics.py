@@ -75,7 +75,7 @@ def test_api_errors_and_router_moves_are_counted(client, node, user):
     after = scrape(client)
     errors = ("chat_api_errors_total", (("code", code),))
     assert after[errors] == before.get(errors, 0) + 1
-    moves = ("chat_router_moves_total", (("held", "resident"), ("reason", "moved by an operator")))
+    moves = ("chat_router_moves_total", (("cold", "false"), ("held", "resident"), ("reason", "moved by an operator")))
     assert after[moves] == before.get(moves, 0) + 1  # the move cost the session its resident cache
     assert AssignmentMove.objects.get(session_key=key).warm
 

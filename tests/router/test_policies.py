@@ -6,18 +6,17 @@ import pytest
 from django.core.exceptions import ImproperlyConfigured
 
 from router import registry
-from router.policies import NodeLoad, RandomPolicy, RoundRobinPolicy, StickyPolicy
+from router.policies import ClusterView, LoadModel, NodeLoad, RandomPolicy, RoundRobinPolicy, StickyPolicy
 from router.services import prefix_routing_key
 
 
 def place(policy, sessions: list[str], names: list[str]) -> dict[str, str]:
-    loads: Counter[str] = Counter({name: 0 for name in names})
+    view = ClusterView(NodeLoad(name, 0) for name in names)
     placed = {}
     for key in sessions:
-        nodes = [NodeLoad(name, loads[name]) for name in names]
-        choice = policy.choose(session_key=key, current=None, nodes=nodes)
+        choice = policy.choose(session_key=key, current=None, view=view)
         placed[key] = choice.node
-        loads[choice.node] += 1
+        view.add_sessions(choice.node, 1)
     return placed
 
 
@@ -38,21 +37,92 @@ def test_removing_a_node_moves_few_other_sessions():
     assert len(moved_elsewhere) < 0.25 * len(sessions)
 
 
-def test_sticky_keeps_the_current_node_until_it_is_overloaded():
+class CountingView(ClusterView):
+    looked_at = 0
+
+    def get(self, name: str) -> NodeLoad:
+        self.looked_at += 1
+        return super().get(name)
+
+
+def test_placement_looks_at_a_few_nodes_not_every_node():
+    """Bounded-load placement walks the ring from the session's point: O(log n) for the walk's start, then
+    only the nodes it passes, however many there are."""
+    view = CountingView((NodeLoad(f"n{i}", 100) for i in range(1000)), replicas=64)
     policy = StickyPolicy(load_factor=1.25)
-    balanced = [NodeLoad("a", 10), NodeLoad("b", 10)]
-    assert policy.choose(session_key="s", current="a", nodes=balanced).node == "a"
-    skewed = [NodeLoad("a", 30), NodeLoad("b", 10)]
-    choice = policy.choose(session_key="s", current="a", nodes=skewed)
+    for i in range(200):
+        choice = policy.choose(session_key=f"s{i}", current=None, view=view)
+        view.add_sessions(choice.node, 1)
+    assert view.looked_at < 200 * 5
+
+
+def test_sticky_keeps_the_current_node_until_it_is_overloaded():
+    policy = StickyPolicy(load_factor=1.25, cold_moves=False)
+    view = ClusterView([NodeLoad("a", 10), NodeLoad("b", 10)])
+    assert policy.choose(session_key="s", current=view.get("a"), view=view).node == "a"
+    view = ClusterView([NodeLoad("a", 30), NodeLoad("b", 10)])
+    choice = policy.choose(session_key="s", current=view.get("a"), view=view)
     assert (choice.node, choice.reason) == ("b", "node overloaded")
 
 
+def test_load_weighs_the_engines_work_beside_the_sessions():
+    """Equal sessions, but one node runs and queues four times the requests: it is the loaded one."""
+    model = LoadModel(sessions=1, work=2, kv=1)
+    view = ClusterView([NodeLoad("hot", 10, work=16, kv=0.5), NodeLoad("calm", 10, work=4, kv=0.5)])
+    assert model.of(view.get("hot"), view) > 1.25 > model.of(view.get("calm"), view)
+    # A nearly idle cluster: one running request is no overload.
+    idle = ClusterView([NodeLoad("a", 10, work=1), NodeLoad("b", 10, work=0)])
+    assert model.of(idle.get("a"), idle) < 1.25
+    with pytest.raises(ValueError, match="non-negative"):
+        LoadModel(sessions=0, work=0, kv=0)
+
+
+def test_past_the_bound_cold_sessions_move_and_warm_ones_stay_until_the_last_resort():
+    policy = StickyPolicy(load_factor=1.25, warm_factor=2.0, seed=1)
+    view = ClusterView([NodeLoad("a", 15), NodeLoad("b", 10), NodeLoad("c", 5)])  # a: 1.5x the mean
+    assert policy.choose(session_key="s", current=view.get("a"), view=view).node == "a"
+    cold = policy.choose(session_key="s", current=view.get("a"), view=view, cold=True)
+    assert cold.node != "a" and cold.reason == "cold, rebalanced"
+    view = ClusterView([NodeLoad("a", 25), NodeLoad("b", 3), NodeLoad("c", 2)])  # a: 2.5x the mean
+    assert policy.choose(session_key="s", current=view.get("a"), view=view).reason == "node overloaded"
+    # Within the bound, cold or not, a session stays.
+    view = ClusterView([NodeLoad("a", 11), NodeLoad("b", 9), NodeLoad("c", 7)])  # a: 1.22x
+    assert policy.choose(session_key="s", current=view.get("a"), view=view, cold=True).node == "a"
+
+
+def test_cold_moves_go_where_the_load_is_least_and_spread_a_hot_session():
+    """A cold session leaving a loaded node goes to the least loaded of the nodes drawn, not to its ring
+    neighbour: over many moves a hot session visits many nodes."""
+    policy = StickyPolicy(load_factor=1.25, choices=3, seed=1)
+    names = [f"n{i}" for i in range(10)]
+    visited = Counter()
+    for _ in range(200):
+        view = ClusterView(NodeLoad(n, 20 if n == "n0" else 10) for n in names)
+        visited[policy.choose(session_key="hot", current=view.get("n0"), view=view, cold=True).node] += 1
+    assert "n0" not in visited and len(visited) == 9
+    view = ClusterView([NodeLoad("a", 30, work=20), NodeLoad("b", 10, work=20), NodeLoad("c", 10)])
+    weighted = StickyPolicy(weights={"sessions": 1, "work": 2}, choices=8, seed=1)
+    assert weighted.choose(session_key="s", current=view.get("a"), view=view, cold=True).node == "c"
+
+
+def test_the_view_keeps_means_and_the_least_loaded_node_as_loads_change():
+    view = ClusterView([NodeLoad("a", 3, work=1.0), NodeLoad("b", 1), NodeLoad("c", 2)])
+    assert (view.mean_sessions, view.least_loaded().name) == (2, "b")
+    view.add_sessions("b", 5)
+    view.update(NodeLoad("a", 0, work=3.0))
+    assert (view.mean_sessions, view.mean_work, view.least_loaded().name) == (8 / 3, 1.0, "a")
+    assert view.least_loaded(besides="a").name == "c"
+    assert sorted(view.ring_walk("s")) == ["a", "b", "c"]
+    assert view.only(["b", "x"]).names == ("b",)
+
+
 def test_baselines_spread_without_affinity():
-    nodes = [NodeLoad("a", 0), NodeLoad("b", 0)]
+    view = ClusterView([NodeLoad("a", 0), NodeLoad("b", 0)])
+    current = view.get("a")
     round_robin = RoundRobinPolicy()
-    assert [round_robin.choose(session_key="s", current="a", nodes=nodes).node for _ in range(4)] == ["a", "b"] * 2
+    assert [round_robin.choose(session_key="s", current=current, view=view).node for _ in range(4)] == ["a", "b"] * 2
     draws = [RandomPolicy(seed=1), RandomPolicy(seed=1)]
-    first, second = ([p.choose(session_key="s", current="a", nodes=nodes).node for _ in range(40)] for p in draws)
+    first, second = ([p.choose(session_key="s", current=current, view=view).node for _ in range(40)] for p in draws)
     assert first == second  # seeded: a replay is reproducible
     assert set(first) == {"a", "b"}
 

@@ -10,7 +10,7 @@ from django.utils import timezone
 
 from router import services
 from router.models import AssignmentMove, Node, SessionAssignment
-from router.policies import Choice, NodeLoad, RoutingPolicy
+from router.policies import Choice, ClusterView, NodeLoad, RoutingPolicy
 from tests.factories import NodeFactory
 
 
@@ -23,8 +23,9 @@ def test_a_session_sticks_to_its_first_node(nodes):
 
 
 def test_an_overloaded_node_spills_the_session_and_records_why(nodes):
+    """Past the last-resort bound (its sessions and its engine's work), even a warm session moves."""
     node = services.session_node(session_key="busy")
-    Node.objects.filter(pk=node.pk).update(sessions=50)
+    Node.objects.filter(pk=node.pk).update(sessions=50, work=40.0)
     moved_to = services.session_node(session_key="busy")
     assert moved_to != node
     move = AssignmentMove.objects.get(session_key="busy")
@@ -83,8 +84,8 @@ def test_an_operator_can_move_a_session(nodes):
 class ScatterThenStick(RoutingPolicy):
     """Places a new session on a random node, then keeps it: racers disagree unless the router serialises them."""
 
-    def choose(self, *, session_key: str, current: str | None, nodes: list[NodeLoad]) -> Choice:
-        return Choice(current or random.choice(nodes).name, "test")
+    def choose(self, *, session_key: str, current: NodeLoad | None, view: ClusterView, cold: bool = False) -> Choice:
+        return Choice(current.name if current else random.choice(view.names), "test")
 
 
 @pytest.mark.django_db(transaction=True)
@@ -131,3 +132,68 @@ def test_a_move_records_what_the_node_it_left_held(nodes):
         services.assignment_move(session_key=key, node_name=target.name)
         move = AssignmentMove.objects.get(session_key=key, to_node=target.name)
         assert (move.held, move.warm) == (held, held == "ram"), key
+
+
+def heartbeat(node: Node, **stats) -> None:
+    served = services.ServedModel(node.model, "", node.chat_template, node.n_ctx, node.max_reply_tokens)
+    services.node_heartbeat(name=node.name, capacity=node.capacity, stats=stats, incarnation="", served=served)
+
+
+def test_the_engines_work_and_kv_use_come_from_its_heartbeats_smoothed(nodes):
+    node = nodes[0]
+    heartbeat(node, running=8, waiting=4, kv_cells_used=300, kv_cells_total=1000)
+    heartbeat(node, running=4, waiting=0, kv_cells_used=500, kv_cells_total=1000)
+    node.refresh_from_db()
+    assert (node.work, node.kv_use) == (0.5 * 12 * 0.5 + 0.5 * 4, 0.5)
+
+
+def test_a_session_its_node_dropped_moves_for_free_and_one_kept_is_warm_again(nodes):
+    """A heartbeat's `dropped` marks the session cold: on a node above the mean its next turn moves (the
+    move records it was cold, so it is not counted warm); on a node within the mean it stays, warm again."""
+    loaded = nodes[0]
+    for i in range(3):
+        services.assignment_move(session_key=f"s{i}", node_name=loaded.name)
+    Node.objects.filter(pk=loaded.pk).update(sessions=12)  # 12 of 14 sessions: far above the mean
+    heartbeat(loaded, sessions={"s0": "resident"}, sessions_complete=True, dropped=["s1", "s2"])
+    assert set(SessionAssignment.objects.filter(cold=True).values_list("session_key", flat=True)) == {"s1", "s2"}
+
+    assert services.session_node(session_key="s0") == loaded  # warm: within the last-resort bound, it stays
+    moved_to = services.session_node(session_key="s1")
+    move = AssignmentMove.objects.get(session_key="s1")
+    assert moved_to != loaded and (move.reason, move.cold, move.warm) == ("cold, rebalanced", True, False)
+    assert not SessionAssignment.objects.get(session_key="s1").cold
+
+    Node.objects.filter(pk=loaded.pk).update(sessions=1)  # now below the mean: a cold session stays
+    assert services.session_node(session_key="s2") == loaded
+    assert not SessionAssignment.objects.get(session_key="s2").cold  # its turn runs there: warm again
+    assert not AssignmentMove.objects.filter(session_key="s2").exists()
+
+
+def test_a_turn_that_will_break_its_prefix_may_move_for_free(nodes):
+    loaded = nodes[0]
+    services.assignment_move(session_key="s", node_name=loaded.name)
+    Node.objects.filter(pk=loaded.pk).update(sessions=12)
+    assert services.session_node(session_key="s") == loaded
+    assert services.session_node(session_key="s", cold=True) != loaded
+    assert AssignmentMove.objects.get(session_key="s").cold
+
+
+def test_a_node_the_view_still_counts_healthy_is_never_assigned(nodes, settings):
+    """The router's view of the nodes is read once a second; a node that went down since (marked by another
+    process, so this one's view is not told) is refused by the write itself, and the view read again."""
+    settings.ROUTER_VIEW_SECONDS = 3600
+    services.session_node(session_key="warm-up")  # the view now holds all three
+    down = nodes[0]
+    Node.objects.filter(pk=down.pk).update(status=Node.Status.DOWN)  # as another process would
+    placed = {services.session_node(session_key=f"new{i}").name for i in range(30)}
+    assert down.name not in placed and len(placed) == 2
+
+
+def test_a_node_that_joined_after_the_view_was_read_keeps_its_sessions(nodes, settings):
+    settings.ROUTER_VIEW_SECONDS = 3600
+    services.session_node(session_key="warm-up")
+    # Registered by another process (bulk_create sends no signal, as this process would not hear of it).
+    [joined] = Node.objects.bulk_create([Node(name="late", queue="node.late", last_heartbeat=timezone.now())])
+    services.assignment_move(session_key="s", node_name=joined.name)
+    assert services.session_node(session_key="s") == joined
+    assert not AssignmentMove.objects.filter(session_key="s", from_node="late").exists()
