@@ -51,6 +51,7 @@ class Heartbeat:
         listed = {
             "sessions": dict(list(places.items())[:SESSIONS_LISTED]),
             "sessions_complete": len(places) <= SESSIONS_LISTED,
+            "dropped": self.engine.sessions_dropped(),
         }
         status = node_heartbeat(
             name=self.name,

@@ -138,6 +138,10 @@ class BatchEngine:
         listed = {**places, **{key: Residency.DISK.value for key in on_disk if key not in places}}
         return dict(list(listed.items())[:limit])
 
+    def sessions_dropped(self) -> list[str]:
+        dropped = self.sessions.dropped
+        return [dropped.popleft() for _ in range(len(dropped))]  # popleft is safe beside the engine's appends
+
     def set_draining(self, draining: bool) -> None:
         """A draining node's sessions move elsewhere: write each to the disk tier as soon as it is idle."""
         self._draining = draining

@@ -14,7 +14,7 @@ import ctypes
 import heapq
 import logging
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 # Below this many reusable tokens, recomputing is one cheap prefill chunk: drop the spilled state instead.
 MIN_RESTORE_TOKENS = 32
+DROPPED_KEPT = 1000  # dropped sessions remembered between two heartbeats; older ones are simply not reported
 
 
 class Residency(Enum):
@@ -81,6 +82,9 @@ class SessionCache:
         self._spill_budget = spill_budget_bytes
         self.spilled_bytes = 0
         self.spills = 0
+        # Sessions whose state left this node's memory (dropped from RAM; perhaps still on disk), oldest
+        # first, until the heartbeat reports them: the router may then move them for free.
+        self.dropped: deque[str] = deque(maxlen=DROPPED_KEPT)
 
     def get(self, key: str) -> Session:
         """The session for `key` (new and empty if unknown), marked most recently used."""
@@ -262,3 +266,4 @@ class SessionCache:
                 dropped.append(session.key)
         for key in dropped:
             del self._sessions[key]
+        self.dropped.extend(dropped)

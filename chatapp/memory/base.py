@@ -147,6 +147,12 @@ class MemoryStrategy:
 
     prefix_stable = False  # consecutive prompts share their prefix except at rare, chunked drops
 
+    def breaks_prefix(self, *, history_tokens: int, budget: int) -> bool:
+        """Whether the next prompt, with `history_tokens` of verbatim history before its new message, will
+        stop extending the previous one (a chunked drop): its session's cache is no use to it, so the router
+        may move the session for free. False when the strategy cannot tell."""
+        return False
+
     def assemble(self, context: MemoryContext) -> AssembledPrompt:
         """The prompt for `context`; raises ContextOverflow when it cannot fit."""
         eligible = [m for m in context.history if not m.excluded]

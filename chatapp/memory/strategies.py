@@ -88,6 +88,9 @@ class StablePrefix(MemoryStrategy):
         if not 0 <= tokens_of(self.low, 1 << 20) <= tokens_of(self.high, 1 << 20):
             raise ValueError(f"need 0 <= low <= high, got low={self.low}, high={self.high}")
 
+    def breaks_prefix(self, *, history_tokens: int, budget: int) -> bool:
+        return history_tokens > min(tokens_of(self.high, budget), budget)
+
     def select(self, context: MemoryContext, candidates: list[StoredMessage], budget: int) -> list[StoredMessage]:
         groups = exchanges(candidates)
         start = context.previous_first_id

@@ -9,6 +9,7 @@ from django.db import transaction
 from django.db.models import QuerySet
 
 from chatapp import quotas
+from chatapp.memory.registry import strategy_get
 from chatapp.models import ApiKey, Conversation, Message, Turn
 from chatapp.services import fact_save
 from chatapp.turns.lifecycle import turn_create
@@ -51,6 +52,24 @@ def served_chat_format(served: ServedModel) -> ChatFormat:
     return chat_format_for(replace(file, chat_template=served.chat_template))
 
 
+def prefix_breaks(conversation: Conversation) -> bool:
+    """Whether the next turn's prompt will not extend the previous turn's prompt and reply, so that its
+    node's cache is no use to it: the strategy changed since, or the strategy says its history is due for a
+    chunked drop (from the previous prompt's verbatim tokens and its reply). The router may then move the
+    session for free. A forecast from stored sizes: a wrong one costs at most one move."""
+    done = conversation.turns.filter(status=Turn.Status.DONE).order_by("-pk")
+    previous = done.only("strategy", "strategy_options", "trace", "completion_tokens").first()
+    served = served_models().get(conversation.model)
+    if previous is None or served is None:
+        return False
+    if (previous.strategy, previous.strategy_options) != (conversation.strategy, conversation.strategy_options):
+        return True
+    verbatim = sum(s["tokens"] for s in previous.trace.get("segments", ()) if s["kind"] == "verbatim")
+    strategy = strategy_get(conversation.strategy, conversation.strategy_options)
+    history = verbatim + (previous.completion_tokens or 0)
+    return strategy.breaks_prefix(history_tokens=history, budget=served.n_ctx - served.max_reply_tokens)
+
+
 def reap_unfinished(turns: QuerySet[Turn]) -> None:
     """Send on, or fail, those of these unfinished turns whose node is gone (`turns_reap`), so that a
     conversation is never blocked by a turn no node will finish. Call before the transaction that checks
@@ -84,7 +103,12 @@ def turn_start(
             raise ReplyInProgress("A reply is still being written; wait for it or stop it first.")
         quotas.check_new_turn(user_id=conversation.owner_id, api_key_id=api_key.pk if api_key else None)
         try:
-            node = session_node(session_key=conversation.session_key, policy=policy, model=conversation.model)
+            node = session_node(
+                session_key=conversation.session_key,
+                policy=policy,
+                model=conversation.model,
+                cold=prefix_breaks(conversation),
+            )
         except NoHealthyNode as exc:
             raise NoNodeUp(str(exc)) from exc
         unfinished = Turn.objects.filter(node=node.name).exclude(status__in=Turn.FINISHED).count()
