@@ -1,39 +1,54 @@
-"""Router benchmarks on real Postgres: decision latency at scale, affinity and balance under a skewed replay."""
+"""Router benchmarks on real Postgres: decision latency at scale, affinity, balance and warm moves under a
+skewed replay."""
 
 import random
 import statistics
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict, deque
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 from django.db import connection, transaction
 from django.utils import timezone
 
 from router import services
-from router.models import Node, SessionAssignment
-from router.policies import NodeLoad
+from router.models import AssignmentMove, Node, SessionAssignment
+from router.policies import ClusterView, NodeLoad
+
+PREFIX = "bench-"
 
 
 def register_nodes(count: int) -> list[str]:
-    names = [f"bench-{i}" for i in range(count)]
+    names = [f"{PREFIX}{i}" for i in range(count)]
     now = timezone.now()
     Node.objects.bulk_create(
         [Node(name=n, queue=services.queue_for_node(n), capacity=16, last_heartbeat=now) for n in names]
     )
+    services.views_forget()
     return names
 
 
+def remove_nodes() -> None:
+    with transaction.atomic():
+        SessionAssignment.objects.all().delete()
+        AssignmentMove.objects.all().delete()
+        Node.objects.filter(name__startswith=PREFIX).delete()
+    services.views_forget()
+
+
 @contextmanager
-def heartbeating(names: list[str], every: float = 1.0) -> Iterator[None]:
-    """Keep the benchmark's nodes heartbeating from a thread, as live nodes would."""
+def heartbeating(every: float = 1.0, rows: int = 20) -> Iterator[None]:
+    """Keep the benchmark's nodes heartbeating from a thread, `rows` nodes a statement. (Live nodes send one
+    row each; one statement for 1,000 rows would hold every node's row lock at once, and stall placements.)"""
     stop = threading.Event()
 
     def beat() -> None:
         while not stop.wait(every):
-            for name in names:  # one row per statement, as each live node does for itself
-                Node.objects.filter(name=name).update(last_heartbeat=timezone.now())
+            ids = list(Node.objects.filter(name__startswith=PREFIX).values_list("id", flat=True))
+            for start in range(0, len(ids), rows):
+                Node.objects.filter(id__in=ids[start : start + rows]).update(last_heartbeat=timezone.now())
         connection.close()
 
     thread = threading.Thread(target=beat, daemon=True)
@@ -46,64 +61,151 @@ def heartbeating(names: list[str], every: float = 1.0) -> Iterator[None]:
 
 
 def preassign(sessions: int, names: list[str]) -> None:
-    """Place `sessions` sessions the way the sticky policy would, in bulk."""
-    policy = services.policy_get("sticky")
-    loads = Counter({name: 0 for name in names})
+    """Place `sessions` sessions the way the default policy would, in bulk."""
+    policy = services.policy_get()
+    view = ClusterView(NodeLoad(n, 0) for n in names)
     rows = []
     for i in range(sessions):
         key = f"pre:{i}"
-        choice = policy.choose(session_key=key, current=None, nodes=[NodeLoad(n, loads[n]) for n in names])
-        loads[choice.node] += 1
-        rows.append((key, choice.node))
+        choice = policy.choose(session_key=key, current=None, view=view)
+        view.add_sessions(choice.node, 1)
+        rows.append((key, choice.node, choice.reason))
     nodes = {n.name: n for n in Node.objects.filter(name__in=names)}
     SessionAssignment.objects.bulk_create(
-        [SessionAssignment(session_key=k, node=nodes[n], reason=choice.reason) for k, n in rows], batch_size=2000
+        [SessionAssignment(session_key=k, node=nodes[n], reason=r) for k, n, r in rows], batch_size=2000
     )
-    for name, load in loads.items():
-        Node.objects.filter(name=name).update(sessions=load)
+    for name in names:
+        Node.objects.filter(name=name).update(sessions=view.get(name).sessions)
 
 
-def assign_latency(sessions: int, decisions: int, seed: int) -> dict[str, float]:
-    """Decision latency: follow-up turns of existing sessions, and some new ones."""
+def assign_latency(sessions: int, decisions: int, seed: int, names: list[str]) -> dict[str, float]:
+    """Latency of `session_node`: follow-up turns of existing sessions, and some new ones (one in ten); and
+    of the policy's decision alone, placing a new session in a view of every node (no database)."""
     rng = random.Random(seed)  # noqa: S311
-    timings = []
+    policy = services.policy_get()
+    view = ClusterView(NodeLoad(n, sessions // len(names)) for n in names)
+    decisions_alone = []
     for i in range(decisions):
-        key = f"pre:{rng.randrange(sessions)}" if i % 10 else f"new:{i}"
+        start = time.perf_counter()
+        choice = policy.choose(session_key=f"alone:{i}", current=None, view=view)
+        decisions_alone.append((time.perf_counter() - start) * 1000)
+        view.add_sessions(choice.node, 1)
+    follow_ups, placements = [], []
+    for i in range(decisions):
+        new = i % 10 == 0
+        key = f"new:{i}" if new else f"pre:{rng.randrange(sessions)}"
         start = time.perf_counter()
         services.session_node(session_key=key)
-        timings.append((time.perf_counter() - start) * 1000)
-    timings.sort()
+        (placements if new else follow_ups).append((time.perf_counter() - start) * 1000)
+    timings = sorted(follow_ups + placements)
     return {
         "p50_assign_ms": statistics.median(timings),
-        "p99_assign_ms": timings[int(0.99 * (len(timings) - 1))],
+        "p99_assign_ms": _percentile(timings, 99),
+        "p99_follow_up_ms": _percentile(sorted(follow_ups), 99),
+        "p99_placement_ms": _percentile(sorted(placements), 99),
+        "p99_decision_alone_ms": _percentile(sorted(decisions_alone), 99),
     }
 
 
-def skewed_replay(policy: str, sessions: int, turns: int, seed: int) -> dict[str, float]:
-    """Turns drawn Zipf-like over sessions (a few very active, many quiet), all nodes healthy."""
+def _percentile(ordered: list[float], p: float) -> float:
+    return ordered[int(p / 100 * (len(ordered) - 1))]
+
+
+@dataclass(frozen=True)
+class ReplayShape:
+    """The skewed replay's model of time and caches. Turns come one a tick; each keeps its node busy for
+    `turn_ticks` ticks (running, then waiting past `slots`); nodes heartbeat every `heartbeat_ticks` with
+    that work; a node's memory holds its `held` most recently used sessions and reports those it drops;
+    a session's prompt breaks its prefix every `break_every` of its turns (a stable-prefix drop)."""
+
+    turn_ticks: int = 32
+    heartbeat_ticks: int = 16
+    slots: int = 4
+    held: int = 64
+    break_every: int = 20
+
+
+class _FakeNode:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.busy_until: deque[int] = deque()
+        self.memory: OrderedDict[str, None] = OrderedDict()
+        self.dropped: list[str] = []
+
+    def serve(self, key: str, tick: int, shape: ReplayShape) -> None:
+        self.busy_until.append(tick + shape.turn_ticks)
+        self.memory.pop(key, None)
+        self.memory[key] = None
+        while len(self.memory) > shape.held:
+            self.dropped.append(self.memory.popitem(last=False)[0])
+
+    def heartbeat(self, tick: int, shape: ReplayShape) -> None:
+        while self.busy_until and self.busy_until[0] <= tick:
+            self.busy_until.popleft()
+        busy = len(self.busy_until)
+        stats = {
+            "running": min(busy, shape.slots),
+            "waiting": max(0, busy - shape.slots),
+            "sessions": dict.fromkeys(self.memory, "resident"),
+            "sessions_complete": True,
+            "dropped": self.dropped,
+        }
+        services.node_heartbeat(name=self.name, capacity=16, stats=stats, incarnation="", served=_SERVED)
+        self.dropped = []
+
+
+_SERVED = services.ServedModel(model="", model_path="", chat_template="", n_ctx=0, max_reply_tokens=0)
+
+
+def skewed_replay(policy: str, names: list[str], sessions: int, turns: int, seed: int, shape: ReplayShape) -> dict:
+    """Turns drawn Zipf-like over sessions (a few very active, many quiet), all nodes healthy, through the
+    router's services and the nodes' heartbeats."""
     rng = random.Random(seed)  # noqa: S311
     weights = [1 / (rank + 1) ** 1.1 for rank in range(sessions)]
     keys = [f"{policy}:{k}" for k in rng.choices(range(sessions), weights=weights, k=turns)]
+    nodes = {name: _FakeNode(name) for name in names}
     previous: dict[str, str] = {}
+    own_turns: Counter[str] = Counter()
     same = follow_ups = 0
     served: Counter[str] = Counter()
-    for key in keys:
-        node = services.session_node(session_key=key, policy=policy).name
-        served[node] += 1
+    for tick, key in enumerate(keys):
+        if tick % shape.heartbeat_ticks == 0:
+            for node in nodes.values():
+                node.heartbeat(tick, shape)
+            services.views_forget()  # the router reads the loads as often as they change (in replay time)
+        breaks = own_turns[key] > 0 and own_turns[key] % shape.break_every == 0
+        own_turns[key] += 1
+        name = services.session_node(session_key=key, policy=policy, cold=breaks).name
+        nodes[name].serve(key, tick, shape)
+        served[name] += 1
         if key in previous:
             follow_ups += 1
-            same += previous[key] == node
-        previous[key] = node
+            same += previous[key] == name
+        previous[key] = name
     placed = Counter(previous.values())
-    mean = sum(placed.values()) / len(placed)
+    moves = list(AssignmentMove.objects.filter(session_key__startswith=f"{policy}:"))
     return {
         "affinity": same / follow_ups,
-        "max_mean_load": max(placed.values()) / mean,
-        "max_mean_turns": max(served.values()) / (sum(served.values()) / len(served)),
+        "max_mean_load": max(placed.values()) / (sum(placed.values()) / len(names)),
+        "max_mean_turns": max(served.values()) / (turns / len(names)),
+        "moves_per_turn": len(moves) / turns,
+        "warm_moves_per_turn": sum(m.warm for m in moves) / turns,
     }
+
+
+def median_and_range(runs: list[dict]) -> dict:
+    """Each figure's median over the runs, and its range (`<name>_range`: [lowest, highest])."""
+    summary: dict = {}
+    for key in runs[0]:
+        values = sorted(run[key] for run in runs)
+        summary[key] = statistics.median(values)
+        summary[f"{key}_range"] = [values[0], values[-1]]
+    return summary
 
 
 def clear_assignments() -> None:
     with transaction.atomic():
         SessionAssignment.objects.all().delete()
-        Node.objects.update(sessions=0)
+        AssignmentMove.objects.all().delete()
+        Node.objects.update(sessions=0, work=0.0, kv_use=0.0, stats={})
+    services.views_forget()

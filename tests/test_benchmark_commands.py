@@ -33,12 +33,18 @@ def test_bench_node_prints_its_figures():
 
 
 def test_bench_router_prints_its_figures_per_policy():
-    small = ["--nodes", "3", "--sessions", "200", "--decisions", "100", "--replay-sessions", "30"]
-    figures = run_command("bench_router", *small, "--replay-turns", "200")
-    assert set(figures) == {"sticky", "round_robin", "least_loaded", "random"}
-    assert figures["sticky"]["p99_assign_ms"] > 0
-    assert figures["sticky"]["affinity"] > figures["round_robin"]["affinity"]
-    assert figures["sticky"]["max_mean_load"] >= 1
+    small = ["--nodes", "3", "--scale-nodes", "50", "--sessions", "200", "--decisions", "100"]
+    figures = run_command("bench_router", *small, "--replay-sessions", "30", "--replay-turns", "200", "--repeats", "2")
+    assert set(figures) == {
+        "latency at 3 nodes",
+        "latency at 50 nodes",
+        *("sticky", "sticky_sessions", "round_robin", "least_loaded", "random"),
+    }
+    assert 0 < figures["latency at 50 nodes"]["p50_assign_ms"] <= figures["latency at 50 nodes"]["p99_placement_ms"]
+    sticky = figures["sticky"]
+    assert sticky["affinity"] > figures["round_robin"]["affinity"]
+    assert sticky["affinity_range"][0] <= sticky["affinity"] <= sticky["affinity_range"][1]
+    assert sticky["max_mean_load"] >= 1 and sticky["warm_moves_per_turn"] <= sticky["moves_per_turn"]
 
 
 @pytest.mark.django_db(transaction=True)
@@ -73,7 +79,7 @@ def test_simulate_sweeps_cluster_sizes_and_policies(tmp_path):
     )  # fmt: skip
     rows = json.loads(out.getvalue())
     assert {(r["policy"], r["nodes"]) for r in rows} == {
-        (p, n) for p in ("sticky", "round_robin", "least_loaded", "random") for n in (1, 4)
+        (p, n) for p in ("sticky", "sticky_sessions", "round_robin", "least_loaded", "random") for n in (1, 4)
     }
     for row in rows:
         assert row["requests"] == row["completed"] > row["sessions"]

@@ -198,3 +198,15 @@ def test_an_ended_session_is_forgotten_in_the_context_in_ram_and_on_disk(engines
     assert engine.session_places(10) == {"kept": "resident"}
     prompt, _ = _conversation(engine, "deleted")  # the key can be used again, from nothing
     assert engine.generate(session_key="deleted", prompt=prompt, sampling=GREEDY).cache_source == "resident"
+
+
+def test_sessions_that_leave_memory_are_reported_once_for_the_router(engines):
+    """With no room in RAM, a session spilled from the context leaves memory at once: the next heartbeat
+    names it (its assignment goes cold, and the router may move it for free), and the one after does not."""
+    engine = engines("node-a", MAX_RESIDENT_SESSIONS=1, SPILL_BUDGET_MB=0)
+    _conversation(engine, "first")
+    assert engine.sessions_dropped() == []
+    _conversation(engine, "second")  # the only sequence goes to "second": "first" is spilled, and dropped
+    assert engine.sessions_dropped() == ["first"]
+    assert engine.sessions_dropped() == []
+    assert "first" not in engine.session_places(10) or engine.session_places(10)["first"] == "disk"
