@@ -8,6 +8,7 @@ plain lists of message texts, so this module needs nothing but the engine.
 import statistics
 import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -256,17 +257,18 @@ def calibrate(
     """The figures a cluster simulation needs about one node, measured on its engine: prefill speed, decode
     step time alone and with `batch` sequences, slots, and how many tokens of prefix cache it holds."""
     fmt, config = engine.chat_format, engine.config
+    run = f"calibrate-{uuid.uuid4().hex[:8]}"  # sessions of their own: not restored from an earlier run's disk tier
     prompt = fmt.render(long_conversation(fmt, conversations, 1024))
-    cold = engine.generate(session_key="calibrate-prefill", prompt=prompt, sampling=greedy(1))
+    cold = engine.generate(session_key=f"{run}-prefill", prompt=prompt, sampling=greedy(1))
     kv_bytes_per_token = max(engine.runtime.seq_state_bytes(i) for i in range(config.MAX_RESIDENT_SESSIONS)) / len(
         prompt
     )
     short = [fmt.render(as_chat(c[:1])) for c in conversations[:batch]]
-    one = engine.generate(session_key="calibrate-0", prompt=short[0], sampling=greedy(decode_tokens))
+    one = engine.generate(session_key=f"{run}-0", prompt=short[0], sampling=greedy(decode_tokens))
     rates: list[float] = []
 
     def decode(k: int) -> None:
-        generation = engine.generate(session_key=f"calibrate-{k}", prompt=short[k], sampling=greedy(decode_tokens))
+        generation = engine.generate(session_key=f"{run}-{k}", prompt=short[k], sampling=greedy(decode_tokens))
         rates.append(generation.decode_tokens_per_s)
 
     run_parallel([partial(decode, k) for k in range(batch)])

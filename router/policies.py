@@ -17,13 +17,13 @@ import random
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 # How much of a node's reported work a heartbeat replaces: work = (1 - SMOOTHING) x before + SMOOTHING x now.
 SMOOTHING = 0.5
 
 
-@dataclass(frozen=True)
-class NodeLoad:
+class NodeLoad(NamedTuple):  # a tuple: the simulator makes millions
     name: str
     sessions: int  # sessions assigned to it
     work: float = 0.0  # requests running and waiting on its engine, smoothed over its heartbeats

@@ -111,9 +111,10 @@ def sweep_point(
     sessions: int,
     rate: float,
     seed: int,
+    skew: float = 0.0,
 ) -> dict:
     started = time.perf_counter()
-    workload = sessions_from_profiles(profiles, count=sessions, rate_per_s=rate * nodes, seed=seed)
+    workload = sessions_from_profiles(profiles, count=sessions, rate_per_s=rate * nodes, seed=seed, skew=skew)
     result = Simulation(profile=profile, nodes=nodes, policy=policy_get(policy), sessions=workload).run()
     return {"policy": policy, "sessions": sessions} | result.summary() | {"wall_s": time.perf_counter() - started}
 

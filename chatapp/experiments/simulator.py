@@ -11,11 +11,11 @@ from measuring the real engine (`calibrate`); `compare` checks the model against
 import heapq
 import random
 from collections import OrderedDict, deque
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
 
 from chatapp.experiments.report import percentile
-from router.policies import NodeLoad, RoutingPolicy
+from router.policies import ClusterView, NodeLoad, RoutingPolicy, smoothed
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,7 @@ class NodeProfile:
     kv_tokens: float  # tokens of prefix cache a node keeps (resident and spilled); float('inf'): unbounded
     # From sending a turn to its node's engine starting on it: routing, the database, the Celery queue.
     dispatch_ms: float = 0.0
+    heartbeat_s: float = 2.0  # how often a node reports its work to the router (ROUTER_HEARTBEAT_SECONDS)
 
     def step_s(self, sequences: int) -> float:
         return (self.step_ms_one + self.step_ms_per_extra * max(0, sequences - 1)) / 1000
@@ -47,15 +48,18 @@ class SimSession:
     start_s: float = 0.0
 
 
-@dataclass
+@dataclass(slots=True)
 class _Node:
     name: str
     cache: OrderedDict = field(default_factory=OrderedDict)  # session key -> tokens held, LRU first
     cached_total: int = 0
-    decoding: dict = field(default_factory=dict)  # request id -> finish time
+    # request id -> finish time, less `stalled`: a prefill holds up every decoder at once by adding to it
+    decoding: dict = field(default_factory=dict)
+    stalled: float = 0.0
     waiting: deque = field(default_factory=deque)
     prefill_free_s: float = 0.0
     turns: int = 0
+    reported_s: float = float("-inf")  # its last heartbeat
 
 
 @dataclass
@@ -70,6 +74,8 @@ class SimResult:
     makespan_s: float = 0.0
     node_turns: list[int] = field(default_factory=list)
     node_sessions: list[int] = field(default_factory=list)
+    moves: int = 0
+    warm_moves: int = 0  # moves that left a cache the session could have used
 
     def summary(self) -> dict:
         mean_turns = sum(self.node_turns) / len(self.node_turns)
@@ -87,6 +93,8 @@ class SimResult:
             "makespan_s": self.makespan_s,
             "max_mean_turns": max(self.node_turns) / mean_turns if mean_turns else None,
             "max_mean_sessions": max(self.node_sessions) / mean_sessions if mean_sessions else None,
+            "moves_per_turn": self.moves / self.requests if self.requests else None,
+            "warm_moves_per_turn": self.warm_moves / self.requests if self.requests else None,
         }
 
 
@@ -94,7 +102,7 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1000
 
 
-_ARRIVE, _REACH, _FINISH = 0, 1, 2
+_OPEN, _ARRIVE, _REACH, _FINISH = 0, 1, 2, 3
 
 
 class Simulation:
@@ -117,8 +125,7 @@ class Simulation:
         self.profile, self.policy, self.sessions = profile, policy, sessions
         self.nodes = [_Node(name) for name in names]
         self.index = {name: i for i, name in enumerate(names)}
-        self.loads = [NodeLoad(name, 0) for name in names]  # sessions assigned, as the router counts them
-        self.total_load = 0
+        self.view = ClusterView(NodeLoad(name, 0) for name in names)  # what the router sees of the nodes
         self.assigned: dict[str, int] = {}
         self.events: list = []
         self.seq = 0
@@ -127,64 +134,80 @@ class Simulation:
         self.concurrency = concurrency
         self.pending = deque(range(len(sessions)))
 
+    def _open_next(self, opening: Iterator[tuple[float, int]]) -> None:
+        opens = next(opening, None)
+        if opens is not None:
+            self._push(opens[0], _OPEN, opens[1])
+
     def _push(self, time_s: float, kind: int, payload) -> None:
         self.seq += 1
         heapq.heappush(self.events, (time_s, self.seq, kind, payload))
 
     def run(self) -> SimResult:
+        opening: Iterator[tuple[float, int]] = iter(())
         if self.concurrency:
             for _ in range(min(self.concurrency, len(self.sessions))):
                 self._push(0.0, _ARRIVE, (self.pending.popleft(), 0))
-        else:
-            for s, session in enumerate(self.sessions):
-                self._push(session.start_s + session.turns[0].think_s, _ARRIVE, (s, 0))
+        else:  # sessions open in time order, each pushed when the one before it opens: the heap stays small
+            opening = iter(sorted((x.start_s + x.turns[0].think_s, s) for s, x in enumerate(self.sessions)))
+            self._open_next(opening)
             self.pending.clear()
         now = 0.0
         while self.events:
             now, _, kind, payload = heapq.heappop(self.events)
-            if kind == _ARRIVE:
+            if kind == _OPEN:
+                self._open_next(opening)
+                self._arrive(now, payload, 0)
+            elif kind == _ARRIVE:
                 self._arrive(now, *payload)
             elif kind == _REACH:
-                self._reach(now, *payload)
+                self._reach(now, payload)
             else:
-                self._finish(now, *payload)
+                self._finish(now, payload)
         self.result.makespan_s = now
         self.result.node_turns = [n.turns for n in self.nodes]
-        self.result.node_sessions = [load.load for load in self.loads]
+        self.result.node_sessions = [self.view.get(n.name).sessions for n in self.nodes]
         return self.result
 
-    def _route(self, key: str) -> int:
+    def _route(self, key: str, *, breaks: bool) -> int:
+        """The router's decision. The session is cold on its node if its prompt breaks its prefix (the
+        application knows) or its node's cache no longer holds it (the node reports what it drops)."""
         current = self.assigned.get(key)
-        if current is not None and self.policy.keeps(
-            load=self.loads[current].load, mean=self.total_load / len(self.nodes)
-        ):
-            return current
-        choice = self.index[
-            self.policy.choose(
-                session_key=key, current=None if current is None else self.nodes[current].name, nodes=self.loads
-            ).node
-        ]
-        if choice != current:
+        held = current is not None and key in self.nodes[current].cache
+        current_load = None if current is None else self.view.get(self.nodes[current].name)
+        choice = self.policy.choose(session_key=key, current=current_load, view=self.view, cold=breaks or not held)
+        chosen = self.index[choice.node]
+        if chosen != current:
             if current is not None:
-                self._add_load(current, -1)
-            self._add_load(choice, 1)
-            self.assigned[key] = choice
-        return choice
+                self.view.add_sessions(self.nodes[current].name, -1)
+                self.result.moves += 1
+                self.result.warm_moves += held and not breaks
+            self.view.add_sessions(choice.node, 1)
+            self.assigned[key] = chosen
+        return chosen
 
-    def _add_load(self, i: int, delta: int) -> None:
-        self.loads[i] = NodeLoad(self.loads[i].name, self.loads[i].load + delta)
-        self.total_load += delta
+    def _report(self, now: float, node: _Node) -> None:
+        """The node's heartbeat (one is due): its requests running and waiting, and its KV use."""
+        node.reported_s = now
+        seen = self.view.get(node.name)
+        kv = node.cached_total / self.profile.kv_tokens if self.profile.kv_tokens != float("inf") else 0.0
+        work = smoothed(seen.work, len(node.decoding) + len(node.waiting))
+        self.view.update(NodeLoad(node.name, seen.sessions, work, min(1.0, kv)))
 
     def _arrive(self, now: float, s: int, t: int) -> None:
         """The turn is sent: routed now, it reaches its node `dispatch_ms` later."""
-        node_i = self._route(self.sessions[s].key)
+        turns = self.sessions[s].turns
+        breaks = t > 0 and turns[t].reusable_tokens < turns[t - 1].prompt_tokens
+        node_i = self._route(self.sessions[s].key, breaks=breaks)
         self.result.requests += 1
         request_id = self.seq
         self.requests[request_id] = (s, t, now, node_i)
-        self._push(now + self.profile.dispatch_ms / 1000, _REACH, (request_id,))
+        self._push(now + self.profile.dispatch_ms / 1000, _REACH, request_id)
 
     def _reach(self, now: float, request_id: int) -> None:
         node = self.nodes[self.requests[request_id][3]]
+        if now - node.reported_s >= self.profile.heartbeat_s:
+            self._report(now, node)
         if len(node.decoding) < self.profile.slots:
             self._start(now, request_id)
         else:
@@ -196,12 +219,12 @@ class Simulation:
         hit = min(turn.reusable_tokens, node.cache.get(key, 0), turn.prompt_tokens - 1)
         prefill_s = (turn.prompt_tokens - hit) / self.profile.prefill_tokens_per_s
         node.prefill_free_s = max(now, node.prefill_free_s) + prefill_s
-        for other in node.decoding:  # prefill steps hold up everyone decoding on this node
-            node.decoding[other] += prefill_s
+        node.stalled += prefill_s  # prefill steps hold up everyone decoding on this node
         step = self.profile.step_s(len(node.decoding) + 1)
         first_token = node.prefill_free_s + step
-        node.decoding[request_id] = first_token + (turn.reply_tokens - 1) * step
-        self._push(node.decoding[request_id], _FINISH, (request_id,))
+        finish = first_token + (turn.reply_tokens - 1) * step
+        node.decoding[request_id] = finish - node.stalled
+        self._push(finish, _FINISH, request_id)
         r = self.result
         r.prompt_tokens += turn.prompt_tokens
         r.reusable_tokens += turn.reusable_tokens
@@ -211,11 +234,13 @@ class Simulation:
     def _finish(self, now: float, request_id: int) -> None:
         s, t, arrived, node_i = self.requests[request_id]
         node = self.nodes[node_i]
-        due = node.decoding[request_id]
+        due = node.decoding[request_id] + node.stalled
         if due > now:  # held up by a prefill since this event was scheduled
-            self._push(due, _FINISH, (request_id,))
+            self._push(due, _FINISH, request_id)
             return
         del node.decoding[request_id], self.requests[request_id]
+        if now - node.reported_s >= self.profile.heartbeat_s:
+            self._report(now, node)
         session, turn = self.sessions[s], self.sessions[s].turns[t]
         self._cache(node, session.key, turn.prompt_tokens + turn.reply_tokens)
         node.turns += 1
@@ -243,13 +268,21 @@ def think_time_s(rng: random.Random, reply_tokens: int, next_message: str) -> fl
 
 
 def sessions_from_profiles(
-    profiles: Sequence[Sequence[SimTurn]], *, count: int, rate_per_s: float, seed: int
+    profiles: Sequence[Sequence[SimTurn]], *, count: int, rate_per_s: float, seed: int, skew: float = 0.0
 ) -> list[SimSession]:
     """`count` sessions drawn (with replacement) from measured turn profiles, opening as a Poisson
-    process of `rate_per_s`; the same seed gives the same sessions whatever the rate (common random numbers)."""
+    process of `rate_per_s`; the same seed gives the same sessions whatever the rate (common random numbers).
+
+    With `skew` (a Pareto shape, e.g. 1.2), activity is skewed as in real chat traffic: a session runs its
+    profile `r` times over (r Pareto-distributed, at most 50; each repetition starts with a broken prefix,
+    as after a chunked drop) and thinks `r` times faster, so a few sessions send most of the turns."""
     rng = random.Random(seed)  # noqa: S311 (simulation, not security)
     sessions, gap = [], 0.0
     for k in range(count):
-        sessions.append(SimSession(f"session:{k}", tuple(profiles[rng.randrange(len(profiles))]), gap / rate_per_s))
+        turns = tuple(profiles[rng.randrange(len(profiles))])
+        if skew:
+            repeats = min(50, int(rng.paretovariate(skew)))
+            turns = tuple(replace(t, think_s=t.think_s / repeats) for t in turns) * repeats
+        sessions.append(SimSession(f"session:{k}", turns, gap / rate_per_s))
         gap += rng.expovariate(1.0)
     return sessions

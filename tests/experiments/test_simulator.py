@@ -88,3 +88,31 @@ def test_sticky_sessions_stay_put_within_the_load_bound():
     result = Simulation(profile=PROFILE, nodes=10, policy=StickyPolicy(load_factor=1.25), sessions=sessions).run()
     assert max(result.node_sessions) <= math.ceil(1.25 * 2000 / 10)
     assert sum(result.node_sessions) == 2000
+
+
+def test_skewed_activity_gives_a_few_sessions_most_of_the_turns():
+    profiles = [[SimTurn(100, 0, 16), SimTurn(160, 116, 16, 2.0)]]
+    even = sessions_from_profiles(profiles, count=1000, rate_per_s=1.0, seed=3)
+    skewed = sessions_from_profiles(profiles, count=1000, rate_per_s=1.0, seed=3, skew=1.2)
+    assert {len(s.turns) for s in even} == {2}
+    lengths = sorted((len(s.turns) for s in skewed), reverse=True)
+    assert lengths[-1] == 2 and lengths[0] > 20
+    assert sum(lengths[:100]) > 0.3 * sum(lengths)  # a tenth of the sessions send a third of the turns
+    repeated = next(s for s in skewed if len(s.turns) > 2)
+    assert repeated.turns[2].reusable_tokens < repeated.turns[1].prompt_tokens  # each repetition breaks its prefix
+
+
+def test_work_aware_sticky_balances_turns_under_skew_and_moves_few_warm_sessions():
+    """Against the session-count policy on a skewed workload: turns spread more evenly, the moves it makes
+    are nearly all free ones, and the cache hit ratio holds."""
+    profiles = [[growing_session("p", 6).turns[t] for t in range(6)]]
+    sessions = sessions_from_profiles(profiles, count=600, rate_per_s=3.0, seed=5, skew=1.2)
+    work_aware = StickyPolicy(weights={"sessions": 1, "work": 2, "kv": 1}, warm_factor=2.0, seed=1)
+    by_sessions = StickyPolicy(cold_moves=False)
+    new, old = (
+        Simulation(profile=PROFILE, nodes=6, policy=policy, sessions=sessions).run().summary()
+        for policy in (work_aware, by_sessions)
+    )
+    assert new["max_mean_turns"] < old["max_mean_turns"]
+    assert new["warm_moves_per_turn"] <= 0.01
+    assert new["cache_hit_ratio"] >= old["cache_hit_ratio"] - 0.01

@@ -35,7 +35,13 @@ class Command(BaseCommand):
         parser.add_argument("--rate", type=float, default=0.05, help="New sessions a second, per node.")
         parser.add_argument("--policies", default=",".join(settings.ROUTER_POLICIES))
         parser.add_argument(
-            "--baseline-max-nodes", type=int, default=100, help="Largest cluster for policies other than sticky."
+            "--baseline-max-nodes", type=int, default=1000, help="Largest cluster for the cache-blind baselines."
+        )
+        parser.add_argument(
+            "--skew",
+            type=float,
+            default=0.0,
+            help="Skewed activity: a Pareto shape (e.g. 1.2); 0: every session alike.",
         )
         parser.add_argument("--strategy", default=settings.CHAT_DEFAULT_STRATEGY, help="Shapes the turns' prompts.")
         parser.add_argument("--turns", type=int, default=4, help="Turns per session (at most).")
@@ -46,6 +52,8 @@ class Command(BaseCommand):
         parser.add_argument("--json", action="store_true")
 
     def handle(self, *args, **options):
+        if options["skew"] < 0:
+            raise CommandError("--skew must be 0 (off) or a positive Pareto shape.")
         profile = self._profile(options)
         if options["validate"]:
             experiment = Experiment.objects.filter(pk=options["validate"], dry_run=False).first()
@@ -66,7 +74,7 @@ class Command(BaseCommand):
         for nodes in [int(n) for n in options["nodes"].split(",")]:
             sessions = min(nodes * options["sessions_per_node"], options["max_sessions"])
             for policy in options["policies"].split(","):
-                if policy != "sticky" and nodes > options["baseline_max_nodes"]:
+                if not policy.startswith("sticky") and nodes > options["baseline_max_nodes"]:
                     continue
                 rows.append(
                     cluster.sweep_point(
@@ -77,6 +85,7 @@ class Command(BaseCommand):
                         sessions=sessions,
                         rate=options["rate"],
                         seed=options["seed"],
+                        skew=options["skew"],
                     )
                 )
                 if not options["json"]:
