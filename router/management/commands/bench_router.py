@@ -72,27 +72,27 @@ class Command(BaseCommand):
 
     def _measure(self, options, policies: list[str]) -> dict[str, dict]:
         results: dict[str, dict] = {}
-        with benchmark.heartbeating():
-            for count in dict.fromkeys(n for n in (options["nodes"], options["scale_nodes"]) if n):
-                names = benchmark.register_nodes(count)
+        for count in dict.fromkeys(n for n in (options["nodes"], options["scale_nodes"]) if n):
+            names = benchmark.register_nodes(count)
+            with benchmark.heartbeating():
                 benchmark.preassign(options["sessions"], names)
                 latency = benchmark.assign_latency(options["sessions"], options["decisions"], options["seed"], names)
-                results[f"latency at {count} nodes"] = latency
-                benchmark.remove_nodes()
-            names = benchmark.register_nodes(options["nodes"])
-            runs: dict[str, list[dict]] = {policy: [] for policy in policies}
-            for repeat in range(options["repeats"]):  # interleaved: every policy once, then again
-                for policy in policies:
-                    benchmark.clear_assignments()
-                    runs[policy].append(
-                        benchmark.skewed_replay(
-                            policy,
-                            names,
-                            options["replay_sessions"],
-                            options["replay_turns"],
-                            options["seed"] + repeat,
-                            benchmark.ReplayShape(break_every=options["break_every"]),
-                        )
+            results[f"latency at {count} nodes"] = latency
+            benchmark.remove_nodes()
+        names = benchmark.register_nodes(options["nodes"])  # the replay's nodes heartbeat in replay time
+        runs: dict[str, list[dict]] = {policy: [] for policy in policies}
+        for repeat in range(options["repeats"]):  # interleaved: every policy once, then again
+            for policy in policies:
+                benchmark.clear_assignments()
+                shape = benchmark.ReplayShape(break_every=options["break_every"])
+                runs[policy].append(
+                    benchmark.skewed_replay(
+                        policy,
+                        names,
+                        options["replay_sessions"],
+                        options["replay_turns"],
+                        options["seed"] + repeat,
+                        shape,
                     )
-            results |= {policy: benchmark.median_and_range(figures) for policy, figures in runs.items()}
-        return results
+                )
+        return results | {policy: benchmark.median_and_range(figures) for policy, figures in runs.items()}
