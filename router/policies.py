@@ -208,9 +208,16 @@ class StickyPolicy(RoutingPolicy):
             return Choice(current.name, "sticky")
         if cold:
             target = self._least_of_sample(view, current.name)
-            if self.model.of(target, view, joining=1) <= 1.0:
+            if self._fits(target, view, 1.0):
                 return Choice(target.name, "cold, rebalanced")
         return self._place(session_key, view, current.name, "node overloaded")
+
+    def _fits(self, node: NodeLoad, view: ClusterView, bound: float) -> bool:
+        """Whether `node` stays within `bound` with one more session, and within `load_factor` x the mean
+        number of sessions whatever the other figures say (so that sessions stay balanced while every
+        node is idle)."""
+        mean_sessions = max(1.0, (view.total_sessions + 1) / len(view))
+        return node.sessions + 1 <= self.load_factor * mean_sessions and self.model.of(node, view, joining=1) <= bound
 
     def _least_of_sample(self, view: ClusterView, leaving: str) -> NodeLoad:
         """The least loaded of `choices` nodes drawn at random (other than `leaving`): "the power of d
@@ -226,7 +233,7 @@ class StickyPolicy(RoutingPolicy):
         within the bound, else the node with the fewest sessions. Bounded loads keep the walk short: a node
         is passed only if it is full, and most are not."""
         for steps, name in enumerate(view.ring_walk(key)):
-            if name != leaving and self.model.of(view.get(name), view, joining=1) <= self.load_factor:
+            if name != leaving and self._fits(view.get(name), view, self.load_factor):
                 return Choice(name, reason)
             if steps >= 2 * view.replicas:  # a crowded ring: stop walking
                 break
