@@ -90,7 +90,8 @@ def assign_latency(sessions: int, decisions: int, seed: int, names: list[str]) -
         choice = policy.choose(session_key=f"alone:{i}", current=None, view=view)
         decisions_alone.append((time.perf_counter() - start) * 1000)
         view.add_sessions(choice.node, 1)
-    follow_ups, placements = [], []
+    follow_ups: list[float] = []
+    placements: list[float] = []
     for i in range(decisions):
         new = i % 10 == 0
         key = f"new:{i}" if new else f"pre:{rng.randrange(sessions)}"

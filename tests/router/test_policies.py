@@ -95,7 +95,7 @@ def test_cold_moves_go_where_the_load_is_least_and_spread_a_hot_session():
     neighbour: over many moves a hot session visits many nodes."""
     policy = StickyPolicy(load_factor=1.25, choices=3, seed=1)
     names = [f"n{i}" for i in range(10)]
-    visited = Counter()
+    visited: Counter[str] = Counter()
     for _ in range(200):
         view = ClusterView(NodeLoad(n, 20 if n == "n0" else 10) for n in names)
         visited[policy.choose(session_key="hot", current=view.get("n0"), view=view, cold=True).node] += 1
