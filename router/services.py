@@ -281,8 +281,9 @@ def _move_locked(
                 view, by_name = _VIEWS.get(model, refresh=True)
             current = _load_of(old) if old.name in view and _serves(old, model) else None
             if current is None:  # it must leave: prefer the nodes that can restore it from their disk tier
-                sharing = [name for name, n in by_name.items() if _shares_state(n.kv_store, n.model, old)]
-                view = view.only(sharing) if sharing else view
+                others = [name for name in by_name if name != old.name]  # (the view may not know it left yet)
+                sharing = [name for name in others if _shares_state(by_name[name].kv_store, by_name[name].model, old)]
+                view = view.only(sharing or others)
             else:
                 view.update(current)
             if not len(view):

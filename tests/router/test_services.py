@@ -182,11 +182,26 @@ def test_a_node_the_view_still_counts_healthy_is_never_assigned(nodes, settings)
     """The router's view of the nodes is read once a second; a node that went down since (marked by another
     process, so this one's view is not told) is refused by the write itself, and the view read again."""
     settings.ROUTER_VIEW_SECONDS = 3600
-    services.session_node(session_key="warm-up")  # the view now holds all three
-    down = nodes[0]
+    down = services.session_node(session_key="s")  # the view now holds all three
     Node.objects.filter(pk=down.pk).update(status=Node.Status.DOWN)  # as another process would
     placed = {services.session_node(session_key=f"new{i}").name for i in range(30)}
     assert down.name not in placed and len(placed) == 2
+
+
+class FirstNode(RoutingPolicy):
+    """Places on the first node by name, then keeps it: the one a stale view still names first."""
+
+    def choose(self, *, session_key: str, current: NodeLoad | None, view: ClusterView, cold: bool = False) -> Choice:
+        return Choice(current.name if current else view.names[0], "test")
+
+
+def test_a_session_leaves_a_node_that_went_down_though_the_view_still_counts_it(nodes, settings):
+    settings.ROUTER_POLICIES = {"first": {"BACKEND": "tests.router.test_services.FirstNode"}}
+    settings.ROUTER_DEFAULT_POLICY = "first"
+    settings.ROUTER_VIEW_SECONDS = 3600
+    down = services.session_node(session_key="s")
+    Node.objects.filter(pk=down.pk).update(status=Node.Status.DOWN)  # as another process would
+    assert services.session_node(session_key="s") != down
 
 
 def test_a_node_that_joined_after_the_view_was_read_keeps_its_sessions(nodes, settings):
