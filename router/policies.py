@@ -93,6 +93,9 @@ class ClusterView:
         self.total_kv += node.kv - old.kv
         if node.sessions != old.sessions:
             heapq.heappush(self._heap, (node.sessions, node.name))
+            if len(self._heap) > 4 * len(self._nodes) + 64:  # mostly stale entries: rebuild (amortised O(1))
+                self._heap = [(n.sessions, n.name) for n in self._nodes.values()]
+                heapq.heapify(self._heap)
 
     def add_sessions(self, name: str, delta: int) -> None:
         node = self._nodes[name]
