@@ -251,6 +251,8 @@ def _place(chooser: RoutingPolicy, session_key: str, model: str | None, *, refre
     no longer healthy (the view is then read afresh next time)."""
     with _VIEWS.lock:
         view, by_name = _VIEWS.get(model, refresh=refresh)
+        if not len(view) and not refresh:  # a node may have come up since the view was read
+            view, by_name = _VIEWS.get(model, refresh=True)
         if not len(view):
             raise NoHealthyNode(_no_node_message(model))
         choice = chooser.choose(session_key=session_key, current=None, view=view)
@@ -282,6 +284,9 @@ def _move_locked(
             current = _load_of(old) if old.name in view and _serves(old, model) else None
             if current is None:  # it must leave: prefer the nodes that can restore it from their disk tier
                 others = [name for name in by_name if name != old.name]  # (the view may not know it left yet)
+                if not others and not refresh:  # a node may have come up since the view was read
+                    view, by_name = _VIEWS.get(model, refresh=True)
+                    others = [name for name in by_name if name != old.name]
                 sharing = [name for name in others if _shares_state(by_name[name].kv_store, by_name[name].model, old)]
                 view = view.only(sharing or others)
             else:

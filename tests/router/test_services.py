@@ -212,3 +212,17 @@ def test_a_node_that_joined_after_the_view_was_read_keeps_its_sessions(nodes, se
     services.assignment_move(session_key="s", node_name=joined.name)
     assert services.session_node(session_key="s") == joined
     assert not AssignmentMove.objects.filter(session_key="s", from_node="late").exists()
+
+
+def test_a_node_that_came_up_after_the_view_was_read_takes_sessions_at_once(nodes, settings):
+    """The view is read once a second; a decision that finds no node in it reads it again before saying
+    that none is up."""
+    settings.ROUTER_VIEW_SECONDS = 3600
+    left = services.session_node(session_key="s")
+    Node.objects.update(status=Node.Status.DOWN)  # as another process would
+    with pytest.raises(services.NoHealthyNode):
+        services.session_node(session_key="first")
+    # Registered by another process (bulk_create sends no signal, as this process would not hear of it).
+    [late] = Node.objects.bulk_create([Node(name="late", queue="node.late", last_heartbeat=timezone.now())])
+    assert services.session_node(session_key="new") == late
+    assert services.session_node(session_key="s") == late != left
