@@ -31,10 +31,8 @@ def register_nodes(count: int) -> list[str]:
 
 
 def remove_nodes() -> None:
-    with transaction.atomic():
-        SessionAssignment.objects.all().delete()
-        AssignmentMove.objects.all().delete()
-        Node.objects.filter(name__startswith=PREFIX).delete()
+    clear_assignments()
+    Node.objects.filter(name__startswith=PREFIX).delete()
     services.views_forget()
 
 

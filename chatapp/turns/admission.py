@@ -24,9 +24,10 @@ from router.services import NoHealthyNode, ServedModel, served_models, session_n
 _REMEMBER = re.compile(r"^\s*remember that\s+(?P<fact>.+)", re.IGNORECASE | re.DOTALL)
 
 
-def check_message_fits(text: str, *, model: str) -> None:
+def check_message_fits(text: str, *, model: str) -> ServedModel:
     """Refuse a message that alone cannot fit the context of `model`'s nodes with room for the reply,
-    counted with that model's vocabulary and template; refuse a model no node serves now."""
+    counted with that model's vocabulary and template; refuse a model no node serves now. Returns what
+    its nodes serve."""
     served = served_models().get(model)
     if served is None:
         raise NoNodeUp(f"No inference node serves the model {model}; try again shortly.")
@@ -37,6 +38,7 @@ def check_message_fits(text: str, *, model: str) -> None:
             f"The message is {tokens:,} tokens; with room for a reply it does not fit the model's "
             f"{served.n_ctx:,}-token context ({model}). Shorten it or send it in parts."
         )
+    return served
 
 
 def served_chat_format(served: ServedModel) -> ChatFormat:
@@ -52,15 +54,14 @@ def served_chat_format(served: ServedModel) -> ChatFormat:
     return chat_format_for(replace(file, chat_template=served.chat_template))
 
 
-def prefix_breaks(conversation: Conversation) -> bool:
+def prefix_breaks(conversation: Conversation, served: ServedModel) -> bool:
     """Whether the next turn's prompt will not extend the previous turn's prompt and reply, so that its
     node's cache is no use to it: the strategy changed since, or the strategy says its history is due for a
     chunked drop (from the previous prompt's verbatim tokens and its reply). The router may then move the
     session for free. A forecast from stored sizes: a wrong one costs at most one move."""
     done = conversation.turns.filter(status=Turn.Status.DONE).order_by("-pk")
     previous = done.only("strategy", "strategy_options", "trace", "completion_tokens").first()
-    served = served_models().get(conversation.model)
-    if previous is None or served is None:
+    if previous is None:
         return False
     if (previous.strategy, previous.strategy_options) != (conversation.strategy, conversation.strategy_options):
         return True
@@ -96,7 +97,7 @@ def turn_start(
     """
     text = check_message_text(text)
     reap_unfinished(conversation.turns.all())
-    check_message_fits(text, model=conversation.model)
+    served = check_message_fits(text, model=conversation.model)
     with transaction.atomic():
         conversation = Conversation.objects.select_for_update().get(pk=conversation.pk)
         if conversation.turns.exclude(status__in=Turn.FINISHED).exists():
@@ -107,7 +108,7 @@ def turn_start(
                 session_key=conversation.session_key,
                 policy=policy,
                 model=conversation.model,
-                cold=prefix_breaks(conversation),
+                cold=prefix_breaks(conversation, served),
             )
         except NoHealthyNode as exc:
             raise NoNodeUp(str(exc)) from exc

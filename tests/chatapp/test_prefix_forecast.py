@@ -2,10 +2,13 @@
 
 from chatapp.models import Turn
 from chatapp.turns.admission import prefix_breaks
-from router.models import Node
-from tests.factories import ConversationFactory, MessageFactory, NodeFactory
+from router.services import ServedModel
+from tests.factories import ConversationFactory, MessageFactory
 
 DROP_AT = {"high": 500, "low": 200}
+SERVED = ServedModel(  # a 4,096-token context
+    model="", model_path="", chat_template="chatml", n_ctx=4096, max_reply_tokens=256
+)
 
 
 def done_turn(conversation, *, verbatim: list[int], reply: int, strategy="stable_prefix", options=DROP_AT) -> Turn:
@@ -24,21 +27,17 @@ def done_turn(conversation, *, verbatim: list[int], reply: int, strategy="stable
 
 
 def test_a_stable_prefix_conversation_breaks_when_its_history_passes_the_drop_point(db):
-    Node.objects.update(status=Node.Status.DOWN)
-    NodeFactory.create()  # serves the default model, 4,096 tokens
     conversation = ConversationFactory.create(strategy="stable_prefix", strategy_options=DROP_AT)
-    assert not prefix_breaks(conversation)  # no turn yet: nothing cached to lose
+    assert not prefix_breaks(conversation, SERVED)  # no turn yet: nothing cached to lose
     turn = done_turn(conversation, verbatim=[250, 150], reply=90)
-    assert not prefix_breaks(conversation)  # 490 tokens of history: the system prompt does not count
+    assert not prefix_breaks(conversation, SERVED)  # 490 tokens of history: the system prompt does not count
     Turn.objects.filter(pk=turn.pk).update(completion_tokens=120)
-    assert prefix_breaks(conversation)  # 520 > 500: the next prompt drops a chunk
+    assert prefix_breaks(conversation, SERVED)  # 520 > 500: the next prompt drops a chunk
 
 
 def test_a_changed_strategy_breaks_and_a_strategy_that_cannot_tell_never_does(db):
-    Node.objects.update(status=Node.Status.DOWN)
-    NodeFactory.create()
     conversation = ConversationFactory.create(strategy="window")
     done_turn(conversation, verbatim=[5000], reply=90, strategy="window", options={})
-    assert not prefix_breaks(conversation)
+    assert not prefix_breaks(conversation, SERVED)
     conversation.strategy = "stable_prefix"
-    assert prefix_breaks(conversation)
+    assert prefix_breaks(conversation, SERVED)
