@@ -15,7 +15,7 @@ import heapq
 import itertools
 import random
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -30,8 +30,7 @@ class NodeLoad(NamedTuple):  # a tuple: the simulator makes millions
     kv: float = 0.0  # share of its KV cells in use, 0 to 1
 
 
-@dataclass(frozen=True)
-class Choice:
+class Choice(NamedTuple):
     node: str
     reason: str
 
@@ -158,20 +157,25 @@ class LoadModel:
     kv: float = 0.0
     work_floor: float = 1.0
     kv_floor: float = 0.05
+    _shares: tuple[float, float, float] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if min(self.sessions, self.work, self.kv) < 0 or self.sessions + self.work + self.kv == 0:
             raise ValueError("load weights must be non-negative, and one of them positive")
+        total = self.sessions + self.work + self.kv  # the weights, normalised once (`of` is on the hot path)
+        object.__setattr__(self, "_shares", (self.sessions / total, self.work / total, self.kv / total))
 
     def of(self, node: NodeLoad, view: ClusterView, *, joining: int = 0) -> float:
         """`node`'s load, with `joining` more sessions on it (and in the cluster)."""
         n = len(view)
-        load = self.sessions * (node.sessions + joining) / max(1.0, (view.total_sessions + joining) / n)
-        if self.work:
-            load += self.work * (node.work + self.work_floor) / (view.total_work / n + self.work_floor)
-        if self.kv:
-            load += self.kv * (node.kv + self.kv_floor) / (view.total_kv / n + self.kv_floor)
-        return load / (self.sessions + self.work + self.kv)
+        sessions, work, kv = self._shares
+        mean_sessions = (view.total_sessions + joining) / n
+        load = sessions * (node.sessions + joining) / (mean_sessions if mean_sessions > 1.0 else 1.0)
+        if work:
+            load += work * (node.work + self.work_floor) / (view.total_work / n + self.work_floor)
+        if kv:
+            load += kv * (node.kv + self.kv_floor) / (view.total_kv / n + self.kv_floor)
+        return load
 
 
 class StickyPolicy(RoutingPolicy):

@@ -8,11 +8,15 @@ sequences takes `step_ms(b)`, linear in `b` (the LM head is computed once per se
 from measuring the real engine (`calibrate`); `compare` checks the model against a real replay.
 """
 
+import gc
 import heapq
+import itertools
 import random
 from collections import OrderedDict, deque
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 from chatapp.experiments.report import percentile
 from router.policies import ClusterView, NodeLoad, RoutingPolicy, smoothed
@@ -33,16 +37,14 @@ class NodeProfile:
         return (self.step_ms_one + self.step_ms_per_extra * max(0, sequences - 1)) / 1000
 
 
-@dataclass(frozen=True)
-class SimTurn:
+class SimTurn(NamedTuple):  # tuples: a large run holds millions
     prompt_tokens: int
     reusable_tokens: int  # the most of this prompt a perfect cache would hold (it extends the previous one)
     reply_tokens: int
     think_s: float = 0.0  # before this turn is sent, after the previous reply
 
 
-@dataclass(frozen=True)
-class SimSession:
+class SimSession(NamedTuple):
     key: str
     turns: tuple[SimTurn, ...]
     start_s: float = 0.0
@@ -62,6 +64,19 @@ class _Node:
     reported_s: float = float("-inf")  # its last heartbeat
 
 
+class _Request:
+    """A session's turn in flight: the event heap's payload, and the key of its node's decoding table. A
+    session has one turn in flight at a time, so one object carries all its turns in turn."""
+
+    __slots__ = ("arrived", "node", "session", "t", "turn")
+    node: _Node  # set when it is routed
+
+    def __init__(self, session: SimSession) -> None:
+        self.session, self.t = session, 0
+        self.turn: SimTurn = session.turns[0]
+        self.arrived = 0.0
+
+
 @dataclass
 class SimResult:
     requests: int = 0
@@ -78,6 +93,8 @@ class SimResult:
     warm_moves: int = 0  # moves that left a cache the session could have used
 
     def summary(self) -> dict:
+        self.ttft_s.sort()  # once: each percentile below then copies a sorted list, in linear time
+        self.latency_s.sort()
         mean_turns = sum(self.node_turns) / len(self.node_turns)
         mean_sessions = sum(self.node_sessions) / len(self.node_sessions)
         return {
@@ -102,9 +119,6 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1000
 
 
-_OPEN, _ARRIVE, _REACH, _FINISH = 0, 1, 2, 3
-
-
 class Simulation:
     """One run: `sessions` on `nodes` nodes of `profile`, routed by `policy`.
 
@@ -124,65 +138,72 @@ class Simulation:
         names = [f"node-{i}" for i in range(nodes)] if isinstance(nodes, int) else list(nodes)
         self.profile, self.policy, self.sessions = profile, policy, sessions
         self.nodes = [_Node(name) for name in names]
-        self.index = {name: i for i, name in enumerate(names)}
+        self.by_name = {node.name: node for node in self.nodes}
         self.view = ClusterView(NodeLoad(name, 0) for name in names)  # what the router sees of the nodes
-        self.assigned: dict[str, int] = {}
+        self.assigned: dict[str, _Node] = {}
         self.events: list = []
-        self.seq = 0
-        self.requests: dict[int, tuple] = {}
+        self._seq = itertools.count()  # ties in time break in push order
+        self.dispatch_s = profile.dispatch_ms / 1000
+        self.heartbeat_s, self.slots = profile.heartbeat_s, profile.slots
+        self.kv_tokens, self.prefill_s_per_token = profile.kv_tokens, 1 / profile.prefill_tokens_per_s
+        self.step_s_one, self.step_s_per_extra = profile.step_s(1), profile.step_ms_per_extra / 1000
         self.result = SimResult()
         self.concurrency = concurrency
         self.pending = deque(range(len(sessions)))
+        self.opening: Iterator[tuple[float, int]] = iter(())
 
-    def _open_next(self, opening: Iterator[tuple[float, int]]) -> None:
-        opens = next(opening, None)
-        if opens is not None:
-            self._push(opens[0], _OPEN, opens[1])
-
-    def _push(self, time_s: float, kind: int, payload) -> None:
-        self.seq += 1
-        heapq.heappush(self.events, (time_s, self.seq, kind, payload))
+    def _push(self, time_s: float, handler: Callable[[float, Any], None], payload: Any) -> None:
+        """Call `handler(time_s, payload)` at `time_s` of simulated time (ties in push order)."""
+        heapq.heappush(self.events, (time_s, next(self._seq), handler, payload))
 
     def run(self) -> SimResult:
-        opening: Iterator[tuple[float, int]] = iter(())
+        with _collector_paused():
+            return self._run()
+
+    def _run(self) -> SimResult:
         if self.concurrency:
             for _ in range(min(self.concurrency, len(self.sessions))):
-                self._push(0.0, _ARRIVE, (self.pending.popleft(), 0))
+                self._push(0.0, self._arrive, _Request(self.sessions[self.pending.popleft()]))
         else:  # sessions open in time order, each pushed when the one before it opens: the heap stays small
-            opening = iter(sorted((x.start_s + x.turns[0].think_s, s) for s, x in enumerate(self.sessions)))
-            self._open_next(opening)
+            self.opening = iter(sorted((x.start_s + x.turns[0].think_s, s) for s, x in enumerate(self.sessions)))
+            self._open(0.0, None)
             self.pending.clear()
-        now = 0.0
-        while self.events:
-            now, _, kind, payload = heapq.heappop(self.events)
-            if kind == _OPEN:
-                self._open_next(opening)
-                self._arrive(now, payload, 0)
-            elif kind == _ARRIVE:
-                self._arrive(now, *payload)
-            elif kind == _REACH:
-                self._reach(now, payload)
-            else:
-                self._finish(now, payload)
+        now, events, pop = 0.0, self.events, heapq.heappop
+        while events:
+            now, _, handler, payload = pop(events)
+            handler(now, payload)
+        self.result.completed = len(self.result.latency_s)
         self.result.makespan_s = now
         self.result.node_turns = [n.turns for n in self.nodes]
         self.result.node_sessions = [self.view.get(n.name).sessions for n in self.nodes]
         return self.result
 
-    def _route(self, key: str, *, breaks: bool) -> int:
+    def _open(self, now: float, s: int | None) -> None:
+        """Session `s` opens (None: none yet), and the next one is due."""
+        opens = next(self.opening, None)
+        if opens is not None:
+            self._push(opens[0], self._open, opens[1])
+        if s is not None:
+            self._arrive(now, _Request(self.sessions[s]))
+
+    def _route(self, key: str, *, breaks: bool) -> _Node:
         """The router's decision. The session is cold on its node if its prompt breaks its prefix (the
         application knows) or its node's cache no longer holds it (the node reports what it drops)."""
         current = self.assigned.get(key)
-        held = current is not None and key in self.nodes[current].cache
-        current_load = None if current is None else self.view.get(self.nodes[current].name)
-        choice = self.policy.choose(session_key=key, current=current_load, view=self.view, cold=breaks or not held)
-        chosen = self.index[choice.node]
-        if chosen != current:
+        view = self.view
+        if current is None:
+            held, current_load = False, None
+        else:
+            held, current_load = key in current.cache, view.get(current.name)
+        chosen = self.by_name[
+            self.policy.choose(session_key=key, current=current_load, view=view, cold=breaks or not held).node
+        ]
+        if chosen is not current:
             if current is not None:
-                self.view.add_sessions(self.nodes[current].name, -1)
+                view.add_sessions(current.name, -1)
                 self.result.moves += 1
                 self.result.warm_moves += held and not breaks
-            self.view.add_sessions(choice.node, 1)
+            view.add_sessions(chosen.name, 1)
             self.assigned[key] = chosen
         return chosen
 
@@ -190,75 +211,96 @@ class Simulation:
         """The node's heartbeat (one is due): its requests running and waiting, and its KV use."""
         node.reported_s = now
         seen = self.view.get(node.name)
-        kv = node.cached_total / self.profile.kv_tokens if self.profile.kv_tokens != float("inf") else 0.0
+        kv = min(1.0, node.cached_total / self.kv_tokens)
         work = smoothed(seen.work, len(node.decoding) + len(node.waiting))
-        self.view.update(NodeLoad(node.name, seen.sessions, work, min(1.0, kv)))
+        if work != seen.work or kv != seen.kv:
+            self.view.update(NodeLoad(node.name, seen.sessions, work, kv))
 
-    def _arrive(self, now: float, s: int, t: int) -> None:
-        """The turn is sent: routed now, it reaches its node `dispatch_ms` later."""
-        turns = self.sessions[s].turns
-        breaks = t > 0 and turns[t].reusable_tokens < turns[t - 1].prompt_tokens
-        node_i = self._route(self.sessions[s].key, breaks=breaks)
+    def _arrive(self, now: float, request: "_Request") -> None:
+        """The request's turn is sent: routed now, it reaches its node `dispatch_ms` later."""
+        turns, t = request.session.turns, request.t
+        turn = request.turn = turns[t]
+        breaks = t > 0 and turn.reusable_tokens < turns[t - 1].prompt_tokens
+        request.node = self._route(request.session.key, breaks=breaks)
+        request.arrived = now
         self.result.requests += 1
-        request_id = self.seq
-        self.requests[request_id] = (s, t, now, node_i)
-        self._push(now + self.profile.dispatch_ms / 1000, _REACH, request_id)
+        if self.dispatch_s:
+            self._push(now + self.dispatch_s, self._reach, request)
+        else:  # it is there at once
+            self._reach(now, request)
 
-    def _reach(self, now: float, request_id: int) -> None:
-        node = self.nodes[self.requests[request_id][3]]
-        if now - node.reported_s >= self.profile.heartbeat_s:
+    def _reach(self, now: float, request: "_Request") -> None:
+        node = request.node
+        if now - node.reported_s >= self.heartbeat_s:
             self._report(now, node)
-        if len(node.decoding) < self.profile.slots:
-            self._start(now, request_id)
+        if len(node.decoding) < self.slots:
+            self._start(now, request)
         else:
-            node.waiting.append(request_id)
+            node.waiting.append(request)
 
-    def _start(self, now: float, request_id: int) -> None:
-        s, t, arrived, node_i = self.requests[request_id]
-        node, turn, key = self.nodes[node_i], self.sessions[s].turns[t], self.sessions[s].key
-        hit = min(turn.reusable_tokens, node.cache.get(key, 0), turn.prompt_tokens - 1)
-        prefill_s = (turn.prompt_tokens - hit) / self.profile.prefill_tokens_per_s
-        node.prefill_free_s = max(now, node.prefill_free_s) + prefill_s
+    def _start(self, now: float, request: "_Request") -> None:
+        node, turn = request.node, request.turn
+        hit = min(turn.reusable_tokens, node.cache.get(request.session.key, 0), turn.prompt_tokens - 1)
+        prefill_s = (turn.prompt_tokens - hit) * self.prefill_s_per_token
+        node.prefill_free_s = (now if now > node.prefill_free_s else node.prefill_free_s) + prefill_s
         node.stalled += prefill_s  # prefill steps hold up everyone decoding on this node
-        step = self.profile.step_s(len(node.decoding) + 1)
+        step = self.step_s_one + self.step_s_per_extra * len(node.decoding)
         first_token = node.prefill_free_s + step
         finish = first_token + (turn.reply_tokens - 1) * step
-        node.decoding[request_id] = finish - node.stalled
-        self._push(finish, _FINISH, request_id)
+        node.decoding[request] = finish - node.stalled
+        heapq.heappush(self.events, (finish, next(self._seq), self._finish, request))
         r = self.result
         r.prompt_tokens += turn.prompt_tokens
         r.reusable_tokens += turn.reusable_tokens
         r.hit_tokens += hit
-        r.ttft_s.append(first_token - arrived)
+        r.ttft_s.append(first_token - request.arrived)
 
-    def _finish(self, now: float, request_id: int) -> None:
-        s, t, arrived, node_i = self.requests[request_id]
-        node = self.nodes[node_i]
-        due = node.decoding[request_id] + node.stalled
+    def _finish(self, now: float, request: "_Request") -> None:
+        node = request.node
+        due = node.decoding[request] + node.stalled
         if due > now:  # held up by a prefill since this event was scheduled
-            self._push(due, _FINISH, request_id)
+            heapq.heappush(self.events, (due, next(self._seq), self._finish, request))
             return
-        del node.decoding[request_id], self.requests[request_id]
-        if now - node.reported_s >= self.profile.heartbeat_s:
+        del node.decoding[request]
+        if now - node.reported_s >= self.heartbeat_s:
             self._report(now, node)
-        session, turn = self.sessions[s], self.sessions[s].turns[t]
+        session, turn = request.session, request.turn
         self._cache(node, session.key, turn.prompt_tokens + turn.reply_tokens)
         node.turns += 1
-        self.result.completed += 1
-        self.result.latency_s.append(now - arrived)
+        self.result.latency_s.append(now - request.arrived)
         if node.waiting:
             self._start(now, node.waiting.popleft())
-        if t + 1 < len(session.turns):
-            self._push(now + session.turns[t + 1].think_s, _ARRIVE, (s, t + 1))
-        elif self.pending:
-            self._push(now, _ARRIVE, (self.pending.popleft(), 0))
+        request.t += 1
+        if request.t < len(session.turns):  # the same request object carries the session's next turn
+            self._push(now + session.turns[request.t].think_s, self._arrive, request)
+            return
+        del self.assigned[session.key]  # it sends no more turns (its node still counts it, as the router does)
+        if self.pending:
+            self._push(now, self._arrive, _Request(self.sessions[self.pending.popleft()]))
 
     def _cache(self, node: _Node, key: str, tokens: int) -> None:
-        node.cached_total += tokens - node.cache.pop(key, 0)
-        node.cache[key] = tokens
-        while node.cached_total > self.profile.kv_tokens and node.cache:
-            _, dropped = node.cache.popitem(last=False)
-            node.cached_total -= dropped
+        cache = node.cache
+        if key in cache:
+            node.cached_total += tokens - cache[key]
+            cache.move_to_end(key)
+        else:
+            node.cached_total += tokens
+        cache[key] = tokens
+        while node.cached_total > self.kv_tokens and cache:
+            node.cached_total -= cache.popitem(last=False)[1]
+
+
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Without the cyclic garbage collector: a run allocates millions of small objects and makes no cycles,
+    so the collector's passes over them (a tenth of a large run's time) would find nothing."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def think_time_s(rng: random.Random, reply_tokens: int, next_message: str) -> float:
@@ -277,12 +319,13 @@ def sessions_from_profiles(
     profile `r` times over (r Pareto-distributed, at most 50; each repetition starts with a broken prefix,
     as after a chunked drop) and thinks `r` times faster, so a few sessions send most of the turns."""
     rng = random.Random(seed)  # noqa: S311 (simulation, not security)
+    shapes = [tuple(p) for p in profiles]  # sessions of one shape share its tuple
     sessions, gap = [], 0.0
     for k in range(count):
-        turns = tuple(profiles[rng.randrange(len(profiles))])
+        turns = shapes[rng.randrange(len(shapes))]
         if skew:
             repeats = min(50, int(rng.paretovariate(skew)))
-            turns = tuple(replace(t, think_s=t.think_s / repeats) for t in turns) * repeats
+            turns = tuple(t._replace(think_s=t.think_s / repeats) for t in turns) * repeats
         sessions.append(SimSession(f"session:{k}", turns, gap / rate_per_s))
         gap += rng.expovariate(1.0)
     return sessions
