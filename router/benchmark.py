@@ -1,15 +1,17 @@
 """Router benchmarks on real Postgres: decision latency at scale, affinity, balance and warm moves under a
 skewed replay."""
 
+import multiprocessing
 import random
 import statistics
-import threading
 import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from multiprocessing.synchronize import Event
 
+from django.conf import settings
 from django.db import connection, transaction
 from django.utils import timezone
 
@@ -37,25 +39,29 @@ def remove_nodes() -> None:
 
 
 @contextmanager
-def heartbeating(every: float = 1.0, rows: int = 20) -> Iterator[None]:
-    """Keep the benchmark's nodes heartbeating from a thread, `rows` nodes a statement. (Live nodes send one
-    row each; one statement for 1,000 rows would hold every node's row lock at once, and stall placements.)"""
-    stop = threading.Event()
-
-    def beat() -> None:
-        while not stop.wait(every):
-            ids = list(Node.objects.filter(name__startswith=PREFIX).values_list("id", flat=True))
-            for start in range(0, len(ids), rows):
-                Node.objects.filter(id__in=ids[start : start + rows]).update(last_heartbeat=timezone.now())
-        connection.close()
-
-    thread = threading.Thread(target=beat, daemon=True)
-    thread.start()
+def heartbeating(rows: int = 20) -> Iterator[None]:
+    """Keep the benchmark's nodes heartbeating every ROUTER_HEARTBEAT_SECONDS from another process, as live
+    nodes do (a thread here would take the interpreter lock from the decisions timed), `rows` nodes a
+    statement. (Live nodes send one row each; one statement for 1,000 rows would hold every node's row lock
+    at once, and stall placements.)"""
+    context = multiprocessing.get_context("fork")
+    stop = context.Event()
+    connection.close()  # the child opens its own
+    beater = context.Process(target=_beat, args=(stop, settings.ROUTER_HEARTBEAT_SECONDS, rows), daemon=True)
+    beater.start()
     try:
         yield
     finally:
         stop.set()
-        thread.join()
+        beater.join()
+
+
+def _beat(stop: Event, every: float, rows: int) -> None:
+    while not stop.wait(every):
+        ids = list(Node.objects.filter(name__startswith=PREFIX).values_list("id", flat=True))
+        for start in range(0, len(ids), rows):
+            Node.objects.filter(id__in=ids[start : start + rows]).update(last_heartbeat=timezone.now())
+    connection.close()
 
 
 def preassign(sessions: int, names: list[str]) -> None:
@@ -77,8 +83,11 @@ def preassign(sessions: int, names: list[str]) -> None:
 
 
 def assign_latency(sessions: int, decisions: int, seed: int, names: list[str]) -> dict[str, float]:
-    """Latency of `session_node`: follow-up turns of existing sessions, and some new ones (one in ten); and
-    of the policy's decision alone, placing a new session in a view of every node (no database)."""
+    """Latency of `session_node` as `turn_start` calls it, inside the turn's transaction: follow-up turns of
+    existing sessions, and first turns of new ones (one in ten, with the `new` hint the web gives them);
+    the commit after it apart (the turn's own, which makes its message durable with its placement); the
+    policy's decision alone, placing a new session in a view of every node (no database); and a follow-up
+    that reads the nodes first, as one decision a ROUTER_VIEW_SECONDS does in each process (median)."""
     rng = random.Random(seed)  # noqa: S311
     policy = services.policy_get()
     view = ClusterView(NodeLoad(n, sessions // len(names)) for n in names)
@@ -90,19 +99,32 @@ def assign_latency(sessions: int, decisions: int, seed: int, names: list[str]) -
         view.add_sessions(choice.node, 1)
     follow_ups: list[float] = []
     placements: list[float] = []
+    commits: list[float] = []
     for i in range(decisions):
         new = i % 10 == 0
         key = f"new:{i}" if new else f"pre:{rng.randrange(sessions)}"
+        with transaction.atomic(), connection.cursor() as cursor:
+            cursor.execute("SELECT 1")  # begun, as turn_start's transaction is (it locks the conversation first)
+            start = time.perf_counter()
+            services.session_node(session_key=key, new=new)
+            decided = time.perf_counter()
+        commits.append((time.perf_counter() - decided) * 1000)
+        (placements if new else follow_ups).append((decided - start) * 1000)
+    view_reads = []
+    for _ in range(20):
         start = time.perf_counter()
-        services.session_node(session_key=key)
-        (placements if new else follow_ups).append((time.perf_counter() - start) * 1000)
+        services.views_forget()
+        services.session_node(session_key=f"pre:{rng.randrange(sessions)}")
+        view_reads.append((time.perf_counter() - start) * 1000)
     timings = sorted(follow_ups + placements)
     return {
         "p50_assign_ms": statistics.median(timings),
         "p99_assign_ms": _percentile(timings, 99),
         "p99_follow_up_ms": _percentile(sorted(follow_ups), 99),
         "p99_placement_ms": _percentile(sorted(placements), 99),
+        "p99_commit_ms": _percentile(sorted(commits), 99),
         "p99_decision_alone_ms": _percentile(sorted(decisions_alone), 99),
+        "view_read_ms": statistics.median(view_reads),
     }
 
 

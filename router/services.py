@@ -200,10 +200,14 @@ def known_models() -> set[str]:
 # Assignment ---------------------------------------------------------------------
 
 
-def session_node(*, session_key: str, policy: str | None = None, model: str | None = None, cold: bool = False) -> Node:
+def session_node(
+    *, session_key: str, policy: str | None = None, model: str | None = None, cold: bool = False, new: bool = False
+) -> Node:
     """The node for this session's next turn, among the healthy nodes serving `model` (None: any): kept
     while healthy and within the policy's load bound, else moved and recorded. `cold`: the caller knows
     the session's cache is no use for this turn (its prompt will break its prefix), so a move is free.
+    `new`: the caller believes the session has no node yet (its first turn), so it is placed without
+    reading its assignment first; a wrong belief costs that read afterwards, never a wrong placement.
 
     The common cases cost one statement each and no scan of the nodes: a follow-up that stays put is
     decided from its own row and its node's (joined), against this process's view of the cluster; a new
@@ -212,6 +216,8 @@ def session_node(*, session_key: str, policy: str | None = None, model: str | No
     assignment row and decides again under the lock, so racing turns of one session agree.
     """
     chooser = policy_get(policy)
+    if new and (placed := _place(chooser, session_key, model, refresh=False)) is not None:
+        return placed
     node = _assigned_node(session_key)
     was_cold = node is not None and node.assignment_cold  # type: ignore[attr-defined]
     if node is not None and _serves(node, model) and _stays(chooser, session_key, node, model, cold or was_cold):
@@ -247,8 +253,8 @@ def _stays(chooser: RoutingPolicy, session_key: str, node: Node, model: str | No
 
 
 def _place(chooser: RoutingPolicy, session_key: str, model: str | None, *, refresh: bool) -> Node | None:
-    """Place a session that has no node; None if another request placed it first, or if the chosen node was
-    no longer healthy (the view is then read afresh next time)."""
+    """Place a session that has no node; None if it has one by now (another request placed it first), or if
+    the chosen node was no longer healthy (the view is then read afresh next time)."""
     with _VIEWS.lock:
         view, by_name = _VIEWS.get(model, refresh=refresh)
         if not len(view) and not refresh:  # a node may have come up since the view was read
@@ -257,10 +263,12 @@ def _place(chooser: RoutingPolicy, session_key: str, model: str | None, *, refre
             raise NoHealthyNode(_no_node_message(model))
         choice = chooser.choose(session_key=session_key, current=None, view=view)
     node = by_name[choice.node].node()
-    if _place_new(session_key, node, choice.reason):
+    healthy, placed = _place_new(session_key, node, choice.reason)
+    if placed:
         _VIEWS.counted(model, choice.node, 1)
         return node
-    _VIEWS.forget(model)
+    if not healthy:
+        _VIEWS.forget(model)
     return None
 
 
@@ -412,9 +420,10 @@ def _why_moved(node: Node, model: str | None) -> str:
     return "model changed" if model is not None and node.model != model else "node down or draining"
 
 
-def _place_new(session_key: str, node: Node, reason: str) -> bool:
+def _place_new(session_key: str, node: Node, reason: str) -> tuple[bool, bool]:
     """Assign a session that has no node yet to `node` if it is still healthy, and count it, in one
-    statement; False if it already has one or the node is no longer healthy."""
+    statement. Returns whether the node was healthy, and whether the session was placed (not if it
+    already has a node)."""
     with connection.cursor() as cursor:
         cursor.execute(
             """
@@ -425,12 +434,15 @@ def _place_new(session_key: str, node: Node, reason: str) -> bool:
                 SELECT %s, id, %s, now(), 0, false FROM target
                 ON CONFLICT (session_key) DO NOTHING
                 RETURNING node_id
+            ), counted AS (
+                UPDATE router_node SET sessions = sessions + 1 WHERE id IN (SELECT node_id FROM placed) RETURNING id
             )
-            UPDATE router_node SET sessions = sessions + 1 WHERE id IN (SELECT node_id FROM placed) RETURNING id
+            SELECT EXISTS (SELECT 1 FROM target), EXISTS (SELECT 1 FROM counted)
             """,
             [node.pk, Node.Status.UP, _heartbeat_cutoff(), session_key, reason],
         )
-        return cursor.fetchone() is not None
+        healthy, placed = cursor.fetchone()
+        return healthy, placed
 
 
 def assignment_move(*, session_key: str, node_name: str, reason: str = "moved by an operator") -> None:

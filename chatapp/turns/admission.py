@@ -3,6 +3,7 @@ user's message and the queued turn. A refused turn stores nothing."""
 
 import re
 from dataclasses import replace
+from typing import NamedTuple
 
 from django.conf import settings
 from django.db import transaction
@@ -54,21 +55,30 @@ def served_chat_format(served: ServedModel) -> ChatFormat:
     return chat_format_for(replace(file, chat_template=served.chat_template))
 
 
-def prefix_breaks(conversation: Conversation, served: ServedModel) -> bool:
-    """Whether the next turn's prompt will not extend the previous turn's prompt and reply, so that its
-    node's cache is no use to it: the strategy changed since, or the strategy says its history is due for a
-    chunked drop (from the previous prompt's verbatim tokens and its reply). The router may then move the
-    session for free. A forecast from stored sizes: a wrong one costs at most one move."""
+class RouteHints(NamedTuple):
+    """What the web knows of a turn's session that its router cannot see (`session_node`'s hints)."""
+
+    new: bool  # no finished turn yet: most likely no node yet either
+    cold: bool  # the prompt will not extend the previous one: its node's cache is no use to it
+
+
+def route_hints(conversation: Conversation, served: ServedModel) -> RouteHints:
+    """Whether the session is new, and whether the next turn's prompt will not extend the previous turn's
+    prompt and reply: the strategy changed since, or the strategy says its history is due for a chunked
+    drop (from the previous prompt's verbatim tokens and its reply). The router may then move the session
+    for free. A forecast from stored sizes: a wrong one costs at most one move (or one read, for `new`)."""
     done = conversation.turns.filter(status=Turn.Status.DONE).order_by("-pk")
     previous = done.only("strategy", "strategy_options", "trace", "completion_tokens").first()
     if previous is None:
-        return False
+        return RouteHints(new=True, cold=False)
     if (previous.strategy, previous.strategy_options) != (conversation.strategy, conversation.strategy_options):
-        return True
+        return RouteHints(new=False, cold=True)
     verbatim = sum(s["tokens"] for s in previous.trace.get("segments", ()) if s["kind"] == "verbatim")
     strategy = strategy_get(conversation.strategy, conversation.strategy_options)
     history = verbatim + (previous.completion_tokens or 0)
-    return strategy.breaks_prefix(history_tokens=history, budget=served.n_ctx - served.max_reply_tokens)
+    return RouteHints(
+        new=False, cold=strategy.breaks_prefix(history_tokens=history, budget=served.n_ctx - served.max_reply_tokens)
+    )
 
 
 def reap_unfinished(turns: QuerySet[Turn]) -> None:
@@ -104,11 +114,13 @@ def turn_start(
             raise ReplyInProgress("A reply is still being written; wait for it or stop it first.")
         quotas.check_new_turn(user_id=conversation.owner_id, api_key_id=api_key.pk if api_key else None)
         try:
+            hints = route_hints(conversation, served)
             node = session_node(
                 session_key=conversation.session_key,
                 policy=policy,
                 model=conversation.model,
-                cold=prefix_breaks(conversation, served),
+                cold=hints.cold,
+                new=hints.new,
             )
         except NoHealthyNode as exc:
             raise NoNodeUp(str(exc)) from exc

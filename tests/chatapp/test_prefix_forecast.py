@@ -1,7 +1,8 @@
-"""The web's forecast that a turn will break its session's prefix: the router may then move it for free."""
+"""The web's hints to the router: a turn will break its session's prefix (the router may then move it for
+free), or its session is new (it is placed without a read)."""
 
 from chatapp.models import Turn
-from chatapp.turns.admission import prefix_breaks
+from chatapp.turns.admission import RouteHints, route_hints
 from router.services import ServedModel
 from tests.factories import ConversationFactory, MessageFactory
 
@@ -28,16 +29,17 @@ def done_turn(conversation, *, verbatim: list[int], reply: int, strategy="stable
 
 def test_a_stable_prefix_conversation_breaks_when_its_history_passes_the_drop_point(db):
     conversation = ConversationFactory.create(strategy="stable_prefix", strategy_options=DROP_AT)
-    assert not prefix_breaks(conversation, SERVED)  # no turn yet: nothing cached to lose
+    assert route_hints(conversation, SERVED) == RouteHints(new=True, cold=False)  # no turn yet: nothing to lose
     turn = done_turn(conversation, verbatim=[250, 150], reply=90)
-    assert not prefix_breaks(conversation, SERVED)  # 490 tokens of history: the system prompt does not count
+    # 490 tokens of history: the system prompt does not count
+    assert route_hints(conversation, SERVED) == RouteHints(new=False, cold=False)
     Turn.objects.filter(pk=turn.pk).update(completion_tokens=120)
-    assert prefix_breaks(conversation, SERVED)  # 520 > 500: the next prompt drops a chunk
+    assert route_hints(conversation, SERVED).cold  # 520 > 500: the next prompt drops a chunk
 
 
 def test_a_changed_strategy_breaks_and_a_strategy_that_cannot_tell_never_does(db):
     conversation = ConversationFactory.create(strategy="window")
     done_turn(conversation, verbatim=[5000], reply=90, strategy="window", options={})
-    assert not prefix_breaks(conversation, SERVED)
+    assert not route_hints(conversation, SERVED).cold
     conversation.strategy = "stable_prefix"
-    assert prefix_breaks(conversation, SERVED)
+    assert route_hints(conversation, SERVED).cold

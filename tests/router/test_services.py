@@ -226,3 +226,33 @@ def test_a_node_that_came_up_after_the_view_was_read_takes_sessions_at_once(node
     [late] = Node.objects.bulk_create([Node(name="late", queue="node.late", last_heartbeat=timezone.now())])
     assert services.session_node(session_key="new") == late
     assert services.session_node(session_key="s") == late != left
+
+
+def test_a_first_turn_is_placed_in_one_statement_and_a_follow_up_decided_in_one(
+    nodes, settings, django_assert_num_queries
+):
+    settings.ROUTER_VIEW_SECONDS = 3600
+    services.session_node(session_key="warm-up")  # reads the view
+    with django_assert_num_queries(1):
+        placed = services.session_node(session_key="s", new=True)
+    with django_assert_num_queries(1):
+        assert services.session_node(session_key="s") == placed
+    assert SessionAssignment.objects.get(session_key="s").node == placed
+    assert sum(Node.objects.values_list("sessions", flat=True)) == 2  # counted once, as "warm-up" was
+
+
+def test_a_wrong_first_turn_hint_costs_a_read_never_a_move(nodes, settings, django_assert_num_queries):
+    """A session whose first turn failed has a node though no finished turn: it stays there."""
+    settings.ROUTER_POLICIES = {"first": {"BACKEND": "tests.router.test_services.FirstNode"}}
+    settings.ROUTER_DEFAULT_POLICY = "first"
+    settings.ROUTER_VIEW_SECONDS = 3600
+    services.assignment_move(session_key="s", node_name=nodes[2].name)  # not the node the policy places on
+    services.session_node(session_key="warm-up")
+    with django_assert_num_queries(2):  # the placement is refused (it has a node), then it is read
+        assert services.session_node(session_key="s", new=True) == nodes[2]
+    assert not AssignmentMove.objects.filter(session_key="s").exists()
+    assert Node.objects.get(pk=nodes[2].pk).sessions == 1
+    # A session with a hint whose node went down moves as without one.
+    Node.objects.filter(pk=nodes[2].pk).update(status=Node.Status.DOWN)
+    assert services.session_node(session_key="s", new=True) != nodes[2]
+    assert AssignmentMove.objects.get(session_key="s").reason == "node down or draining"
