@@ -47,8 +47,8 @@ def _hash(key: str) -> int:
 class ClusterView:
     """The healthy nodes as a router sees them, with their loads.
 
-    Means are O(1) (running totals), a load update is O(log n) (the least-loaded heap), and the hash ring
-    is built once per set of names.
+    Means are O(1) (running totals), a load update is O(log n) (the least-loaded heap, built when first
+    asked for), and the hash ring is built once per set of names.
     """
 
     def __init__(self, nodes: Iterable[NodeLoad], *, replicas: int = 64) -> None:
@@ -58,8 +58,7 @@ class ClusterView:
         self.total_sessions = sum(n.sessions for n in self._nodes.values())
         self.total_work = sum(n.work for n in self._nodes.values())
         self.total_kv = sum(n.kv for n in self._nodes.values())
-        self._heap = [(n.sessions, n.name) for n in self._nodes.values()]
-        heapq.heapify(self._heap)
+        self._heap: list[tuple[int, str]] | None = None  # built by the first least_loaded(), then kept
         self._ring: tuple[list[int], list[str]] | None = None
 
     def __len__(self) -> int:
@@ -91,26 +90,36 @@ class ClusterView:
         self.total_work += node.work - old.work
         self.total_kv += node.kv - old.kv
         if node.sessions != old.sessions:
-            heapq.heappush(self._heap, (node.sessions, node.name))
-            if len(self._heap) > 4 * len(self._nodes) + 64:  # mostly stale entries: rebuild (amortised O(1))
-                self._heap = [(n.sessions, n.name) for n in self._nodes.values()]
-                heapq.heapify(self._heap)
+            self._heap_push(node.sessions, node.name)
 
     def add_sessions(self, name: str, delta: int) -> None:
-        node = self._nodes[name]
-        self.update(NodeLoad(name, node.sessions + delta, node.work, node.kv))
+        _, sessions, work, kv = self._nodes[name]
+        self._nodes[name] = NodeLoad(name, sessions + delta, work, kv)
+        self.total_sessions += delta
+        self._heap_push(sessions + delta, name)
+
+    def _heap_push(self, sessions: int, name: str) -> None:
+        if self._heap is None:
+            return
+        heapq.heappush(self._heap, (sessions, name))
+        if len(self._heap) > 4 * len(self._nodes) + 64:  # mostly stale entries: rebuild (amortised O(1))
+            self._heap = None
 
     def least_loaded(self, *, besides: str | None = None) -> NodeLoad:
         """The node with the fewest sessions (ties by name), other than `besides` if there is another."""
-        while self._heap[0][0] != self._nodes[self._heap[0][1]].sessions:  # stale entries of older loads
-            heapq.heappop(self._heap)
-        if self._heap[0][1] != besides or len(self._nodes) == 1:
-            return self._nodes[self._heap[0][1]]
-        top = heapq.heappop(self._heap)
+        if self._heap is None:
+            self._heap = [(n.sessions, n.name) for n in self._nodes.values()]
+            heapq.heapify(self._heap)
+        heap = self._heap
+        while heap[0][0] != self._nodes[heap[0][1]].sessions:  # stale entries of older loads
+            heapq.heappop(heap)
+        if heap[0][1] != besides or len(self._nodes) == 1:
+            return self._nodes[heap[0][1]]
+        top = heapq.heappop(heap)
         try:
-            return self.least_loaded()
+            return self.least_loaded(besides=besides)  # (a load that came back leaves a second entry)
         finally:
-            heapq.heappush(self._heap, top)
+            heapq.heappush(heap, top)
 
     def only(self, names: Iterable[str]) -> "ClusterView":
         """A view of these nodes alone (O(n): for a session that must leave its node, which is rare)."""

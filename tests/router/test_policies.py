@@ -140,3 +140,13 @@ def test_a_bad_alias_or_backend_is_named(settings):
     assert registry.check_all("ROUTER_POLICIES") == [
         "ROUTER_POLICIES['broken']: cannot import BACKEND 'router.policies.Missing'."
     ]
+
+
+def test_the_least_loaded_node_besides_one_is_never_that_one():
+    """A node whose load went up and back down has two entries of the same load in the view's heap."""
+    view = ClusterView([NodeLoad("a", 0), NodeLoad("b", 5)])
+    view.least_loaded()  # the heap is built
+    view.add_sessions("a", 1)
+    view.add_sessions("a", -1)
+    assert view.least_loaded().name == "a"
+    assert view.least_loaded(besides="a").name == "b"
