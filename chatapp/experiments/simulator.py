@@ -166,7 +166,7 @@ class Simulation:
                 self._push(0.0, self._arrive, _Request(self.sessions[self.pending.popleft()]))
         else:  # sessions open in time order, each pushed when the one before it opens: the heap stays small
             self.opening = iter(sorted((x.start_s + x.turns[0].think_s, s) for s, x in enumerate(self.sessions)))
-            self._open(0.0, None)
+            self._open_next()
             self.pending.clear()
         now, events, pop = 0.0, self.events, heapq.heappop
         while events:
@@ -178,13 +178,15 @@ class Simulation:
         self.result.node_sessions = [self.view.get(n.name).sessions for n in self.nodes]
         return self.result
 
-    def _open(self, now: float, s: int | None) -> None:
-        """Session `s` opens (None: none yet), and the next one is due."""
+    def _open_next(self) -> None:
         opens = next(self.opening, None)
         if opens is not None:
             self._push(opens[0], self._open, opens[1])
-        if s is not None:
-            self._arrive(now, _Request(self.sessions[s]))
+
+    def _open(self, now: float, s: int) -> None:
+        """Session `s` opens, and the next one is due."""
+        self._open_next()
+        self._arrive(now, _Request(self.sessions[s]))
 
     def _route(self, key: str, *, breaks: bool) -> _Node:
         """The router's decision. The session is cold on its node if its prompt breaks its prefix (the
@@ -248,7 +250,7 @@ class Simulation:
         first_token = node.prefill_free_s + step
         finish = first_token + (turn.reply_tokens - 1) * step
         node.decoding[request] = finish - node.stalled
-        heapq.heappush(self.events, (finish, next(self._seq), self._finish, request))
+        self._push(finish, self._finish, request)
         r = self.result
         r.prompt_tokens += turn.prompt_tokens
         r.reusable_tokens += turn.reusable_tokens
@@ -259,7 +261,7 @@ class Simulation:
         node = request.node
         due = node.decoding[request] + node.stalled
         if due > now:  # held up by a prefill since this event was scheduled
-            heapq.heappush(self.events, (due, next(self._seq), self._finish, request))
+            self._push(due, self._finish, request)
             return
         del node.decoding[request]
         if now - node.reported_s >= self.heartbeat_s:

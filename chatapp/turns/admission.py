@@ -113,8 +113,8 @@ def turn_start(
         if conversation.turns.exclude(status__in=Turn.FINISHED).exists():
             raise ReplyInProgress("A reply is still being written; wait for it or stop it first.")
         quotas.check_new_turn(user_id=conversation.owner_id, api_key_id=api_key.pk if api_key else None)
+        hints = route_hints(conversation, served)
         try:
-            hints = route_hints(conversation, served)
             node = session_node(
                 session_key=conversation.session_key,
                 policy=policy,
