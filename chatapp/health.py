@@ -3,10 +3,11 @@ probes an orchestrator polls: `/healthz` (the process answers) and `/readyz` (it
 
 from collections.abc import Callable
 
+import psycopg
 import redis
 from django.conf import settings
 from django.db import connection
-from django.db.utils import DatabaseError, OperationalError
+from django.db.utils import DatabaseError
 from django.http import HttpRequest, HttpResponse, JsonResponse
 
 from router.services import healthy_nodes
@@ -18,9 +19,9 @@ class ServiceUnreachable(SystemExit):
 
 def require_services() -> None:
     db = settings.DATABASES["default"]
-    try:
-        connection.ensure_connection()
-    except OperationalError as exc:
+    try:  # a connection of its own: the pool's would retry quietly for its whole timeout
+        psycopg.connect(**connection.get_connection_params()).close()
+    except psycopg.OperationalError as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ServiceUnreachable(
             f"Postgres is not reachable at {db.get('HOST') or 'local socket'}:{db.get('PORT') or 5432} "

@@ -46,7 +46,8 @@ def heartbeating(rows: int = 20) -> Iterator[None]:
     at once, and stall placements.)"""
     context = multiprocessing.get_context("fork")
     stop = context.Event()
-    connection.close()  # the child opens its own
+    connection.close()
+    connection.close_pool()  # type: ignore[attr-defined]  # the child opens its own connections (a forked pool would share these sockets)
     beater = context.Process(target=_beat, args=(stop, settings.ROUTER_HEARTBEAT_SECONDS, rows), daemon=True)
     beater.start()
     try:
