@@ -46,8 +46,9 @@ def heartbeating(rows: int = 20) -> Iterator[None]:
     at once, and stall placements.)"""
     context = multiprocessing.get_context("fork")
     stop = context.Event()
+    # The child opens its own connections: a pool forked with the process would share these sockets.
     connection.close()
-    connection.close_pool()  # type: ignore[attr-defined]  # the child opens its own connections (a forked pool would share these sockets)
+    connection.close_pool()  # type: ignore[attr-defined]
     beater = context.Process(target=_beat, args=(stop, settings.ROUTER_HEARTBEAT_SECONDS, rows), daemon=True)
     beater.start()
     try:

@@ -338,7 +338,7 @@ def _prepared_cursor() -> Iterator[CursorWrapper]:
 
 def _assigned_node(session_key: str) -> Node | None:
     """The session's node with its load now (not its stats, which can be large), and whether the session
-    is cold there: one indexed read, on the hot path (a plain cursor: a third of the ORM's cost)."""
+    is cold there: one indexed read, on the hot path (a raw, prepared statement: a third of the ORM's cost)."""
     with _prepared_cursor() as cursor:
         cursor.execute(
             """

@@ -241,6 +241,19 @@ def test_a_first_turn_is_placed_in_one_statement_and_a_follow_up_decided_in_one(
     assert sum(Node.objects.values_list("sessions", flat=True)) == 2  # counted once, as "warm-up" was
 
 
+def test_the_hot_path_statements_are_prepared_once_a_connection_has_run_them(nodes, settings):
+    """Postgres plans a placement and a follow-up's read once per connection, not on every call."""
+    settings.ROUTER_VIEW_SECONDS = 3600
+    for k in range(connection.settings_dict["OPTIONS"]["prepare_threshold"] + 1):
+        services.session_node(session_key=f"s{k}", new=True)
+        services.session_node(session_key=f"s{k}")
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT statement FROM pg_prepared_statements")
+        prepared = [row[0] for row in cursor.fetchall()]
+    assert any("INSERT INTO router_sessionassignment" in s for s in prepared), prepared
+    assert any("WHERE a.session_key = $1" in s for s in prepared), prepared
+
+
 def test_a_wrong_first_turn_hint_costs_a_read_never_a_move(nodes, settings, django_assert_num_queries):
     """A session whose first turn failed has a node though no finished turn: it stays there."""
     settings.ROUTER_POLICIES = {"first": {"BACKEND": "tests.router.test_services.FirstNode"}}
