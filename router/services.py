@@ -331,6 +331,7 @@ def _prepared_cursor() -> Iterator[CursorWrapper]:
     Postgres stops planning it on every call (0.2 ms of a placement's 0.6). Wrapped as Django wraps its own
     cursors, so the statements are logged and counted like any other."""
     connection.ensure_connection()
+    connection.validate_thread_sharing()  # as Django's own cursor() does
     wrapper = CursorDebugWrapper if connection.queries_logged else CursorWrapper
     with wrapper(psycopg.Cursor(connection.connection), connection) as cursor:
         yield cursor
@@ -456,8 +457,7 @@ def _place_new(session_key: str, node: Node, reason: str) -> tuple[bool, bool]:
             """,
             [node.pk, Node.Status.UP, _heartbeat_cutoff(), session_key, reason],
         )
-        healthy, placed = cursor.fetchone()
-        return healthy, placed
+        return cursor.fetchone()
 
 
 def assignment_move(*, session_key: str, node_name: str, reason: str = "moved by an operator") -> None:
