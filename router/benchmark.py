@@ -86,7 +86,8 @@ def preassign(sessions: int, names: list[str]) -> None:
 
 def assign_latency(sessions: int, decisions: int, seed: int, names: list[str]) -> dict[str, float]:
     """Latency of `session_node` as `turn_start` calls it, inside the turn's transaction: follow-up turns of
-    existing sessions, and first turns of new ones (one in ten, with the `new` hint the web gives them);
+    existing sessions, and first turns of new ones (one in ten, with the `new` hint the web gives them; new
+    to every run with another seed);
     the commit after it apart (the turn's own, which makes its message durable with its placement); the
     policy's decision alone, placing a new session in a view of every node (no database); and a follow-up
     that reads the nodes first, as one decision a ROUTER_VIEW_SECONDS does in each process (median)."""
@@ -104,7 +105,7 @@ def assign_latency(sessions: int, decisions: int, seed: int, names: list[str]) -
     commits: list[float] = []
     for i in range(decisions):
         new = i % 10 == 0
-        key = f"new:{i}" if new else f"pre:{rng.randrange(sessions)}"
+        key = f"new:{seed}:{i}" if new else f"pre:{rng.randrange(sessions)}"
         with transaction.atomic(), connection.cursor() as cursor:
             cursor.execute("SELECT 1")  # begun, as turn_start's transaction is (it locks the conversation first)
             start = time.perf_counter()

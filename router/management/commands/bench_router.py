@@ -27,11 +27,15 @@ class Command(BaseCommand):
         parser.add_argument("--nodes", type=int, default=8, help="Registered nodes (latency and the replay).")
         parser.add_argument("--scale-nodes", type=int, default=1000, help="Latency again at this many (0: skip).")
         parser.add_argument("--sessions", type=int, default=10_000, help="Sessions already assigned.")
-        parser.add_argument("--decisions", type=int, default=2000, help="Timed assignment decisions.")
+        parser.add_argument(
+            "--decisions", type=int, default=5000, help="Timed assignment decisions a run (one in ten a first turn)."
+        )
         parser.add_argument("--replay-sessions", type=int, default=1000, help="Sessions in the skewed replay.")
         parser.add_argument("--replay-turns", type=int, default=5000, help="Turns in the skewed replay.")
         parser.add_argument("--policies", default=",".join(settings.ROUTER_POLICIES), help="Replayed policies.")
-        parser.add_argument("--repeats", type=int, default=3, help="Replays per policy, each with its own draw.")
+        parser.add_argument(
+            "--repeats", type=int, default=3, help="Latency runs, and replays per policy, each with its own draw."
+        )
         parser.add_argument(
             "--break-every",
             type=int,
@@ -76,8 +80,11 @@ class Command(BaseCommand):
             names = benchmark.register_nodes(count)
             with benchmark.heartbeating():
                 benchmark.preassign(options["sessions"], names)
-                latency = benchmark.assign_latency(options["sessions"], options["decisions"], options["seed"], names)
-            results[f"latency at {count} nodes"] = latency
+                latency = [
+                    benchmark.assign_latency(options["sessions"], options["decisions"], options["seed"] + r, names)
+                    for r in range(options["repeats"])
+                ]
+            results[f"latency at {count} nodes"] = benchmark.median_and_range(latency)
             benchmark.remove_nodes()
         names = benchmark.register_nodes(options["nodes"])  # the replay's nodes heartbeat in replay time
         runs: dict[str, list[dict]] = {policy: [] for policy in policies}
