@@ -82,11 +82,12 @@ def node_heartbeat(
 ) -> Node.Status | None:
     """Register the node (up, if new) or refresh its heartbeat and stats, if `incarnation` is the process
     serving under this name; with `sample`, also keep its load in its history. Its work (requests running
-    and waiting, smoothed) and KV use are what the router balances; the sessions it reports `dropped` from
-    memory are marked cold, so the router may move them for free. A node marked unresponsive
-    while it was alive (stalled) is up again; a drained or downed node stays so. A heartbeat from a process
-    that another has replaced changes nothing. Returns the node's status (None: another process serves
-    under the name)."""
+    and waiting, smoothed), KV use and sessions (its assignments, counted here: the heartbeat is the one
+    writer of the figure, so that placing a session writes no node's row) are what the router balances;
+    the sessions it reports `dropped` from memory are marked cold, so the router may move them for free. A
+    node marked unresponsive while it was alive (stalled) is up again; a drained or downed node stays so. A
+    heartbeat from a process that another has replaced changes nothing. Returns the node's status (None:
+    another process serves under the name)."""
     now = timezone.now()
     fields = {"queue": queue_for_node(name), "capacity": capacity, "stats": stats, "last_heartbeat": now}
     fields |= dataclasses.asdict(served)
@@ -105,9 +106,10 @@ def node_heartbeat(
         node.incarnation = incarnation
         node.work = smoothed(node.work, int(stats.get("running") or 0) + int(stats.get("waiting") or 0))
         node.kv_use = (stats.get("kv_cells_used") or 0) / (stats.get("kv_cells_total") or 1)
+        node.sessions = SessionAssignment.objects.filter(node=node).count()
         if node.status == Node.Status.UNRESPONSIVE:
             node.status = Node.Status.UP
-        node.save(update_fields=[*fields, "incarnation", "status", "work", "kv_use"])
+        node.save(update_fields=[*fields, "incarnation", "status", "work", "kv_use", "sessions"])
         if dropped := stats.get("dropped"):
             SessionAssignment.objects.filter(node=node, session_key__in=dropped, cold=False).update(cold=True)
         return Node.Status(node.status)
@@ -214,7 +216,7 @@ def session_node(
 
     The common cases cost one statement each and no scan of the nodes: a follow-up that stays put is
     decided from its own row and its node's (joined), against this process's view of the cluster; a new
-    session is placed by a single statement that checks its node is still healthy and counts it. Moving a
+    session is placed by a single statement that inserts its assignment if its node is still healthy. Moving a
     session (its node is down, draining or overloaded, or another request placed it first) locks its
     assignment row and decides again under the lock, so racing turns of one session agree.
     """
@@ -364,6 +366,7 @@ def _serves(node: Node, model: str | None) -> bool:
 
 
 def _load_of(node: Node) -> NodeLoad:
+    """The node's load as its last heartbeat reported and counted it."""
     return NodeLoad(node.name, node.sessions, node.work, node.kv_use)
 
 
@@ -387,8 +390,10 @@ class _Known(NamedTuple):
 class _ClusterViews:
     """This process's view of the healthy nodes, per model: read every ROUTER_VIEW_SECONDS (one scan of
     the nodes, shared by all decisions in between), kept up to date with this process's own placements,
-    and read again at once when a decision finds it out of date. Other routers' placements show at the
-    next read; a node that stopped being healthy is never assigned, since every write checks it."""
+    and read again at once when a decision finds it out of date. A node's sessions are counted by its
+    heartbeat, so other routers' placements (and this one's before the heartbeat) show at the first read
+    after it, a few seconds late; a node that stopped being healthy is never assigned, since every write
+    checks it."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -437,9 +442,9 @@ def _why_moved(node: Node, model: str | None) -> str:
 
 
 def _place_new(session_key: str, node: Node, reason: str) -> tuple[bool, bool]:
-    """Assign a session that has no node yet to `node` if it is still healthy, and count it, in one
-    statement. Returns whether the node was healthy, and whether the session was placed (not if it
-    already has a node)."""
+    """Assign a session that has no node yet to `node` if it is still healthy, in one statement that writes
+    the assignment alone (the node's heartbeat counts it). Returns whether the node was healthy, and whether
+    the session was placed (not if it already has a node)."""
     with _prepared_cursor() as cursor:
         cursor.execute(
             """
@@ -450,10 +455,8 @@ def _place_new(session_key: str, node: Node, reason: str) -> tuple[bool, bool]:
                 SELECT %s, id, %s, now(), 0, false FROM target
                 ON CONFLICT (session_key) DO NOTHING
                 RETURNING node_id
-            ), counted AS (
-                UPDATE router_node SET sessions = sessions + 1 WHERE id IN (SELECT node_id FROM placed) RETURNING id
             )
-            SELECT EXISTS (SELECT 1 FROM target), EXISTS (SELECT 1 FROM counted)
+            SELECT EXISTS (SELECT 1 FROM target), EXISTS (SELECT 1 FROM placed)
             """,
             [node.pk, Node.Status.UP, _heartbeat_cutoff(), session_key, reason],
         )
@@ -472,19 +475,17 @@ def assignment_move(*, session_key: str, node_name: str, reason: str = "moved by
             raise MoveRefused(f"Node {node_name} serves {node.model}, not {assignment.node.model}.")
         if assignment is None:
             SessionAssignment.objects.create(session_key=session_key, node=node, reason=reason)
-            Node.objects.filter(pk=node.pk).update(sessions=F("sessions") + 1)
         elif assignment.node_id != node.pk:
             _move(assignment, node, reason)
 
 
 def assignment_end(*, session_key: str) -> str | None:
-    """Forget a session's assignment and uncount it from its node (its conversation was deleted); the name
-    of that node, or None if the session had none."""
+    """Forget a session's assignment (its conversation was deleted; its node's next heartbeat uncounts it);
+    the name of that node, or None if the session had none."""
     with transaction.atomic():
         assignment = _locked_assignment(session_key)
         if assignment is None:
             return None
-        Node.objects.filter(pk=assignment.node_id).update(sessions=F("sessions") - 1)
         assignment.delete()
         return assignment.node.name
 
@@ -514,16 +515,11 @@ def _move(
     assignment: SessionAssignment, to: Node, reason: str, *, cold: bool = False, only_if_healthy: bool = False
 ) -> bool:
     """Call inside the transaction that locked `assignment`. With `only_if_healthy`, False (and nothing
-    changed) if `to` is no longer healthy under its lock."""
+    changed) if `to` is no longer healthy as read now (as a placement checks it). The nodes' heartbeats
+    count the move."""
     from_name = assignment.node.name
-    # Lock both nodes in one order (by pk) so that opposite moves cannot deadlock.
-    locked = {
-        n.pk: n for n in Node.objects.select_for_update().filter(pk__in=[assignment.node_id, to.pk]).order_by("pk")
-    }
-    if only_if_healthy and (to.pk not in locked or not is_healthy(locked[to.pk])):
+    if only_if_healthy and not any(is_healthy(n) for n in Node.objects.filter(pk=to.pk)):
         return False
-    Node.objects.filter(pk=assignment.node_id).update(sessions=F("sessions") - 1)
-    Node.objects.filter(pk=to.pk).update(sessions=F("sessions") + 1)
     AssignmentMove.objects.create(
         session_key=assignment.session_key,
         from_node=from_name,
