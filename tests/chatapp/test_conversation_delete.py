@@ -50,7 +50,7 @@ def test_deleting_a_conversation_stops_its_reply_and_ends_its_session_everywhere
         for model in (Message, Turn, Summary):
             assert not model.objects.filter(conversation_id=conversation.pk).exists(), model.__name__
         assert not SessionAssignment.objects.filter(session_key=key).exists()
-        assert Node.objects.get(name=name).sessions == counted - 1
+        wait_until(lambda: Node.objects.get(name=name).sessions == counted - 1, 10, "its heartbeat to uncount it")
         # The reply stops at its next token; the node then forgets the session and deletes its file.
         wait_until(lambda: key not in _held(name) and not state_file.exists(), 30, "the node to end the session")
         assert "Traceback" not in (OUTPUT_DIR / f"node-{name}.log").read_text()
