@@ -99,10 +99,14 @@ class ClusterView:
         self._heap_push(sessions + delta, name)
 
     def _heap_push(self, sessions: int, name: str) -> None:
-        if self._heap is None:
+        heap = self._heap
+        if heap is None:
             return
-        heapq.heappush(self._heap, (sessions, name))
-        if len(self._heap) > 4 * len(self._nodes) + 64:  # mostly stale entries: rebuild (amortised O(1))
+        if heap[0][1] == name:  # the least loaded node, just chosen: its entry is replaced, none goes stale
+            heapq.heapreplace(heap, (sessions, name))
+            return
+        heapq.heappush(heap, (sessions, name))
+        if len(heap) > 4 * len(self._nodes) + 64:  # mostly stale entries: rebuild (amortised O(1))
             self._heap = None
 
     def least_loaded(self, *, besides: str | None = None) -> NodeLoad:

@@ -1,5 +1,6 @@
 """Routing policies in isolation: balance and stability of bounded-load consistent hashing."""
 
+import random
 from collections import Counter
 
 import pytest
@@ -150,3 +151,23 @@ def test_the_least_loaded_node_besides_one_is_never_that_one():
     view.add_sessions("a", -1)
     assert view.least_loaded().name == "a"
     assert view.least_loaded(besides="a").name == "b"
+
+
+def test_the_least_loaded_node_matches_a_scan_of_every_node_through_random_changes():
+    """The view's heap (entries replaced at its top, pushed elsewhere, rebuilt when mostly stale) against
+    the minimum of every node's (sessions, name), after each of thousands of moves and updates."""
+    rng = random.Random(3)
+    names = [f"n{i}" for i in range(12)]
+    view = ClusterView(NodeLoad(n, rng.randrange(5)) for n in names)
+    for step in range(3000):
+        least = view.least_loaded()
+        assert least == min((view.get(n) for n in names), key=lambda n: (n.sessions, n.name)), step
+        besides = rng.choice(names)
+        expected = min((view.get(n) for n in names if n != besides), key=lambda n: (n.sessions, n.name))
+        assert view.least_loaded(besides=besides) == expected, step
+        if rng.random() < 0.6:  # a move, as a baseline makes: onto the least loaded, off another node
+            view.add_sessions(least.name, 1)
+            view.add_sessions(rng.choice(names), -1)
+        else:
+            name = rng.choice(names)
+            view.update(NodeLoad(name, max(0, view.get(name).sessions + rng.randrange(-3, 4)), work=rng.random()))
