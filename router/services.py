@@ -246,13 +246,13 @@ def session_node(
 
 def _stays(chooser: RoutingPolicy, session_key: str, node: Node, model: str | None, cold: bool) -> bool:
     """Whether the policy keeps the session on its healthy node, judged on that node's figures now."""
-    current = _load_of(node)
     with _VIEWS.lock:
         view, _ = _VIEWS.get(model)
         if node.name not in view:  # a node that joined since the view was read
             view, _ = _VIEWS.get(model, refresh=True)
         if node.name not in view:
             return True
+        current = _load_of(node, view)
         view.update(current)
         return chooser.choose(session_key=session_key, current=current, view=view, cold=cold).node == node.name
 
@@ -294,7 +294,7 @@ def _move_locked(
             view, by_name = _VIEWS.get(model, refresh=refresh)
             if _serves(old, model) and old.name not in view:  # a node that joined since the view was read
                 view, by_name = _VIEWS.get(model, refresh=True)
-            current = _load_of(old) if old.name in view and _serves(old, model) else None
+            current = _load_of(old, view) if old.name in view and _serves(old, model) else None
             if current is None:  # it must leave: prefer the nodes that can restore it from their disk tier
                 others = [name for name in by_name if name != old.name]  # (the view may not know it left yet)
                 if not others and not refresh:  # a node may have come up since the view was read
@@ -365,9 +365,11 @@ def _serves(node: Node, model: str | None) -> bool:
     return is_healthy(node) and (model is None or node.model == model)
 
 
-def _load_of(node: Node) -> NodeLoad:
-    """The node's load as its last heartbeat reported and counted it."""
-    return NodeLoad(node.name, node.sessions, node.work, node.kv_use)
+def _load_of(node: Node, view: ClusterView) -> NodeLoad:
+    """The node's load now: its work and KV use as its last heartbeat reported them; its sessions the more
+    of its heartbeat's count and this process's view's (the count when the view was read, plus this
+    process's placements since), since each may miss placements the other has seen."""
+    return NodeLoad(node.name, max(node.sessions, view.get(node.name).sessions), node.work, node.kv_use)
 
 
 class _Known(NamedTuple):
