@@ -13,8 +13,6 @@ from multiprocessing.synchronize import Event
 
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import Count, OuterRef, Subquery
-from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from router import services
@@ -62,12 +60,11 @@ def heartbeating(rows: int = 20) -> Iterator[None]:
 
 def _beat(stop: Event, every: float, rows: int) -> None:
     """What a live node's heartbeat writes that the router reads: its time, and its sessions counted."""
-    counted = SessionAssignment.objects.filter(node=OuterRef("pk")).order_by().values("node").annotate(n=Count("pk"))
     while not stop.wait(every):
         ids = list(Node.objects.filter(name__startswith=PREFIX).values_list("id", flat=True))
         for start in range(0, len(ids), rows):
             Node.objects.filter(id__in=ids[start : start + rows]).update(
-                last_heartbeat=timezone.now(), sessions=Coalesce(Subquery(counted.values("n")), 0)
+                last_heartbeat=timezone.now(), sessions=services.sessions_counted()
             )
     connection.close()
 

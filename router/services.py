@@ -18,7 +18,8 @@ import psycopg
 from django.conf import settings
 from django.db import connection, transaction
 from django.db.backends.utils import CursorDebugWrapper, CursorWrapper
-from django.db.models import F, Q
+from django.db.models import Count, F, OuterRef, Q, Subquery
+from django.db.models.functions import Coalesce
 from django.db.models.signals import post_save
 from django.dispatch import receiver
 from django.utils import timezone
@@ -106,13 +107,20 @@ def node_heartbeat(
         node.incarnation = incarnation
         node.work = smoothed(node.work, int(stats.get("running") or 0) + int(stats.get("waiting") or 0))
         node.kv_use = (stats.get("kv_cells_used") or 0) / (stats.get("kv_cells_total") or 1)
-        node.sessions = SessionAssignment.objects.filter(node=node).count()
         if node.status == Node.Status.UNRESPONSIVE:
             node.status = Node.Status.UP
-        node.save(update_fields=[*fields, "incarnation", "status", "work", "kv_use", "sessions"])
+        node.save(update_fields=[*fields, "incarnation", "status", "work", "kv_use"])
+        Node.objects.filter(pk=node.pk).update(sessions=sessions_counted())
         if dropped := stats.get("dropped"):
             SessionAssignment.objects.filter(node=node, session_key__in=dropped, cold=False).update(cold=True)
         return Node.Status(node.status)
+
+
+def sessions_counted() -> Coalesce:
+    """A node's sessions, counted from its assignments, for an update of node rows: heartbeats write it (the
+    one writer of `Node.sessions`), so that placing, moving or ending a session writes no node's row."""
+    counted = SessionAssignment.objects.filter(node=OuterRef("pk")).order_by().values("node").annotate(n=Count("pk"))
+    return Coalesce(Subquery(counted.values("n")), 0)
 
 
 def _keep_sample(node: Node, stats: dict[str, Any], now) -> None:
@@ -520,8 +528,10 @@ def _move(
     changed) if `to` is no longer healthy as read now (as a placement checks it). The nodes' heartbeats
     count the move."""
     from_name = assignment.node.name
-    if only_if_healthy and not any(is_healthy(n) for n in Node.objects.filter(pk=to.pk)):
-        return False
+    if only_if_healthy:
+        fresh = Node.objects.filter(pk=to.pk).first()
+        if fresh is None or not is_healthy(fresh):
+            return False
     AssignmentMove.objects.create(
         session_key=assignment.session_key,
         from_node=from_name,
