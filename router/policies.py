@@ -4,14 +4,13 @@ A policy is one small class with one method, `choose`, given the session, its no
 node is healthy), whether the session's cache there is cold, and a `ClusterView` of the healthy nodes.
 Aliases are configured in `settings.ROUTER_POLICIES`, like `CACHES`.
 
-Every decision costs O(log nodes) or less: the view keeps its totals and a least-loaded heap up to date as
-loads change, and bounded-load placement walks the consistent-hash ring from the session's point, looking
+Every decision costs O(log nodes) or less: the view keeps its totals and its nodes bucketed by session count
+up to date as loads change, and bounded-load placement walks the consistent-hash ring from the session's point, looking
 at the few nodes it passes instead of every node's load.
 """
 
 import bisect
 import hashlib
-import heapq
 import itertools
 import random
 from collections.abc import Iterable, Iterator
@@ -28,6 +27,10 @@ class NodeLoad(NamedTuple):  # a tuple: the simulator makes millions
     sessions: int  # sessions assigned to it
     work: float = 0.0  # requests running and waiting on its engine, smoothed over its heartbeats
     kv: float = 0.0  # share of its KV cells in use, 0 to 1
+
+
+# A NodeLoad through tuple.__new__: half the time of its generated __new__ (the simulator makes millions).
+_new_tuple = tuple.__new__
 
 
 class Choice(NamedTuple):
@@ -47,8 +50,10 @@ def _hash(key: str) -> int:
 class ClusterView:
     """The healthy nodes as a router sees them, with their loads.
 
-    Means are O(1) (running totals), a load update is O(log n) (the least-loaded heap, built when first
-    asked for), and the hash ring is built once per set of names.
+    Means are O(1) (running totals). The nodes are bucketed by session count (when the least loaded is
+    first asked for), so the least loaded node and a move's one-session changes are O(1); only a count that
+    jumps while it is the fewest costs a look at every distinct count. The hash ring is built once per set of
+    names.
     """
 
     def __init__(self, nodes: Iterable[NodeLoad], *, replicas: int = 64) -> None:
@@ -58,7 +63,10 @@ class ClusterView:
         self.total_sessions = sum(n.sessions for n in self._nodes.values())
         self.total_work = sum(n.work for n in self._nodes.values())
         self.total_kv = sum(n.kv for n in self._nodes.values())
-        self._heap: list[tuple[int, str]] | None = None  # built by the first least_loaded(), then kept
+        # sessions -> the nodes holding that many, in the order they came to it; built by the first
+        # least_loaded(), then kept
+        self._by_sessions: dict[int, dict[str, None]] | None = None
+        self._fewest = 0  # the least key of _by_sessions
         self._ring: tuple[list[int], list[str]] | None = None
 
     def __len__(self) -> int:
@@ -90,40 +98,47 @@ class ClusterView:
         self.total_work += node.work - old.work
         self.total_kv += node.kv - old.kv
         if node.sessions != old.sessions:
-            self._heap_push(node.sessions, node.name)
+            self._recount(node.name, old.sessions, node.sessions)
 
     def add_sessions(self, name: str, delta: int) -> None:
         _, sessions, work, kv = self._nodes[name]
-        self._nodes[name] = NodeLoad(name, sessions + delta, work, kv)
+        self._nodes[name] = _new_tuple(NodeLoad, (name, sessions + delta, work, kv))
         self.total_sessions += delta
-        self._heap_push(sessions + delta, name)
+        self._recount(name, sessions, sessions + delta)
 
-    def _heap_push(self, sessions: int, name: str) -> None:
-        heap = self._heap
-        if heap is None:
+    def _recount(self, name: str, old: int, new: int) -> None:
+        """Move a node between the counts' buckets: O(1) when its count steps by one, as a move makes."""
+        by_sessions = self._by_sessions
+        if by_sessions is None or old == new:
             return
-        if heap[0][1] == name:  # the least loaded node, just chosen: its entry is replaced, none goes stale
-            heapq.heapreplace(heap, (sessions, name))
-            return
-        heapq.heappush(heap, (sessions, name))
-        if len(heap) > 4 * len(self._nodes) + 64:  # mostly stale entries: rebuild (amortised O(1))
-            self._heap = None
+        left = by_sessions[old]
+        del left[name]
+        if not left:
+            del by_sessions[old]
+        joined = by_sessions.get(new)
+        if joined is None:
+            by_sessions[new] = {name: None}
+        else:
+            joined[name] = None
+        if new < self._fewest:
+            self._fewest = new
+        elif old == self._fewest and not left:  # the last of the fewest left: one count up, or a scan
+            self._fewest = new if new == old + 1 else min(by_sessions)
 
     def least_loaded(self, *, besides: str | None = None) -> NodeLoad:
-        """The node with the fewest sessions (ties by name), other than `besides` if there is another."""
-        if self._heap is None:
-            self._heap = [(n.sessions, n.name) for n in self._nodes.values()]
-            heapq.heapify(self._heap)
-        heap = self._heap
-        while heap[0][0] != self._nodes[heap[0][1]].sessions:  # stale entries of older loads
-            heapq.heappop(heap)
-        if heap[0][1] != besides or len(self._nodes) == 1:
-            return self._nodes[heap[0][1]]
-        top = heapq.heappop(heap)
-        try:
-            return self.least_loaded(besides=besides)  # (a load that came back leaves a second entry)
-        finally:
-            heapq.heappush(heap, top)
+        """The node with the fewest sessions, other than `besides` if there is another. Of nodes with as many,
+        the one that has held that many longest."""
+        by_sessions = self._by_sessions
+        if by_sessions is None:
+            by_sessions = self._by_sessions = {}
+            for name in self.names:
+                by_sessions.setdefault(self._nodes[name].sessions, {})[name] = None
+            self._fewest = min(by_sessions)
+        for name in by_sessions[self._fewest]:
+            if name != besides:
+                return self._nodes[name]
+        more = [k for k in by_sessions if k != self._fewest]  # the fewest are `besides` alone: O(distinct counts)
+        return self._nodes[next(iter(by_sessions[min(more) if more else self._fewest]))]
 
     def only(self, names: Iterable[str]) -> "ClusterView":
         """A view of these nodes alone (O(n): for a session that must leave its node, which is rare)."""

@@ -201,7 +201,7 @@ class Simulation:
             self.policy.choose(session_key=key, current=current_load, view=view, cold=breaks or not held).node
         ]
         if chosen is not current:
-            view.add_sessions(chosen.name, 1)  # first: the least loaded node's entry tops the view's heap
+            view.add_sessions(chosen.name, 1)
             if current is not None:
                 view.add_sessions(current.name, -1)
                 self.result.moves += 1

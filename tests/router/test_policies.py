@@ -144,27 +144,39 @@ def test_a_bad_alias_or_backend_is_named(settings):
 
 
 def test_the_least_loaded_node_besides_one_is_never_that_one():
-    """A node whose load went up and back down has two entries of the same load in the view's heap."""
     view = ClusterView([NodeLoad("a", 0), NodeLoad("b", 5)])
-    view.least_loaded()  # the heap is built
+    view.least_loaded()  # the buckets are built
     view.add_sessions("a", 1)
     view.add_sessions("a", -1)
     assert view.least_loaded().name == "a"
-    assert view.least_loaded(besides="a").name == "b"
+    assert view.least_loaded(besides="a").name == "b"  # the fewest are "a" alone: the next count up
+    assert ClusterView([NodeLoad("a", 3)]).least_loaded(besides="a").name == "a"  # no other
+
+
+def test_of_nodes_with_as_few_sessions_the_least_loaded_is_the_one_that_has_had_that_many_longest():
+    view = ClusterView([NodeLoad("a", 1), NodeLoad("b", 1), NodeLoad("c", 1)])
+    assert view.least_loaded().name == "a"  # built in name order
+    view.add_sessions("a", 1)
+    assert view.least_loaded().name == "b"
+    view.add_sessions("b", 1)
+    view.add_sessions("a", -1)  # back to 1, after "c"
+    assert [view.least_loaded().name, view.least_loaded(besides="c").name] == ["c", "a"]
 
 
 def test_the_least_loaded_node_matches_a_scan_of_every_node_through_random_changes():
-    """The view's heap (entries replaced at its top, pushed elsewhere, rebuilt when mostly stale) against
-    the minimum of every node's (sessions, name), after each of thousands of moves and updates."""
+    """The view's buckets against the fewest sessions of a scan of every node, after each of thousands of
+    moves (one-session steps) and updates (jumps of any size)."""
     rng = random.Random(3)
     names = [f"n{i}" for i in range(12)]
     view = ClusterView(NodeLoad(n, rng.randrange(5)) for n in names)
     for step in range(3000):
         least = view.least_loaded()
-        assert least == min((view.get(n) for n in names), key=lambda n: (n.sessions, n.name)), step
+        assert least == view.get(least.name), step
+        assert least.sessions == min(view.get(n).sessions for n in names), step
         besides = rng.choice(names)
-        expected = min((view.get(n) for n in names if n != besides), key=lambda n: (n.sessions, n.name))
-        assert view.least_loaded(besides=besides) == expected, step
+        other = view.least_loaded(besides=besides)
+        assert other.name != besides, step
+        assert other.sessions == min(view.get(n).sessions for n in names if n != besides), step
         if rng.random() < 0.6:  # a move, as a baseline makes: onto the least loaded, off another node
             view.add_sessions(least.name, 1)
             view.add_sessions(rng.choice(names), -1)
