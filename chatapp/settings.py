@@ -169,11 +169,12 @@ ROUTER_NODE_HISTORY_HOURS = env.float("ROUTER_NODE_HISTORY_HOURS", default=24.0)
 ROUTER_VIEW_SECONDS = env.float("ROUTER_VIEW_SECONDS", default=1.0)
 ROUTER_DEFAULT_POLICY = env.str("ROUTER_DEFAULT_POLICY", default="sticky")
 ROUTER_POLICIES = {
-    # Balances sessions, the engine's work and KV use (router.policies.LoadModel). Past 1.25x the mean
-    # load, cold sessions move (to the least loaded of 3 nodes drawn); warm ones only past 2x.
+    # Balances sessions, the engine's work and KV use (router.policies.LoadModel). Past 1.15x the mean
+    # load, cold sessions move (to the least loaded of 3 nodes drawn); warm ones only past 2x. (1.25 let the
+    # busiest node of bench_router's skewed replay serve over 1.3x the mean turns in 3 of 21 draws.)
     "sticky": {
         "BACKEND": "router.policies.StickyPolicy",
-        "OPTIONS": {"load_factor": 1.25, "weights": {"sessions": 1, "work": 2, "kv": 1}, "warm_factor": 2.0},
+        "OPTIONS": {"load_factor": 1.15, "weights": {"sessions": 1, "work": 2, "kv": 1}, "warm_factor": 2.0},
     },
     # The policy before: sessions alone, any session moves past the bound.
     "sticky_sessions": {
