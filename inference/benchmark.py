@@ -143,10 +143,14 @@ class NodeBenchmark:
         }
 
     def batch_decode(self) -> dict:
+        """Throughput with `batch` generations at once against one alone, in interleaved pairs. Two ratios:
+        decoding alone (`batch` x the median generation's tokens a second after its first token, the step
+        time as the batch decodes: llama.cpp's `llama-batched-bench` reports it as S_TG), and all tokens over
+        the wall time, the prompts' prefill included."""
         s = self.settings
         prompts = [self.fmt.render([ChatMessage("user", c[0])]) for c in self.conversations[: s.batch]]
 
-        def throughput(n: int, tag: str) -> float:
+        def throughput(n: int, tag: str) -> tuple[float, float]:
             results: list[Generation] = []
 
             def one(k: int) -> None:
@@ -155,17 +159,19 @@ class NodeBenchmark:
                 results.append(self._generate(f"{tag}-{k}", prompts[k], s.decode_tokens, ignore_eos=True))
 
             wall = run_parallel([partial(one, k) for k in range(n)])
-            return sum(len(r.token_ids) for r in results) / wall
+            decoding = n * statistics.median(r.decode_tokens_per_s for r in results)
+            return decoding, sum(len(r.token_ids) for r in results) / wall
 
-        single: list[float] = []
-        batched: list[float] = []
+        single: list[tuple[float, float]] = []
+        batched: list[tuple[float, float]] = []
         for r in range(s.repeats):
             for n in alternating(1, s.batch, r):
                 (single if n == 1 else batched).append(throughput(n, f"decode-{n}-{r}"))
         return {
-            "decode_tokens_per_s_1": statistics.median(single),
-            f"decode_tokens_per_s_{s.batch}": statistics.median(batched),
-            **paired(f"batch{s.batch}_decode_speedup", [b / a for a, b in zip(single, batched, strict=True)]),
+            "decode_tokens_per_s_1": statistics.median(d for d, _ in single),
+            f"decode_tokens_per_s_{s.batch}": statistics.median(d for d, _ in batched),
+            **paired(f"batch{s.batch}_decode_speedup", [b[0] / a[0] for a, b in zip(single, batched, strict=True)]),
+            **paired(f"batch{s.batch}_throughput_speedup", [b[1] / a[1] for a, b in zip(single, batched, strict=True)]),
         }
 
     def replay(self) -> dict:

@@ -29,6 +29,7 @@ def test_bench_node_prints_its_figures():
     assert figures["warm_cold_ttft_ratio"] > 1
     assert 0 < figures["restore_vs_recompute"] < 1
     assert figures["batch2_decode_speedup"] > 0
+    assert figures["batch2_throughput_speedup"] > 0
     assert figures["replay_tokens"] > 0
 
 
