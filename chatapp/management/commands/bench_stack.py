@@ -13,6 +13,7 @@ from chatapp.datasets import chitchat_conversations
 from chatapp.stack_bench import Scenario, Server, compare, summarise
 from chatapp.stack_processes import Stack, free_port, wait_for_http
 from inference.benchmark import rounded
+from inference.config import EngineConfig
 from inference.model_files import DEFAULT_MODEL, PACKAGED, ModelNotFound, resolve_model
 from router.models import Node
 
@@ -99,13 +100,16 @@ class Command(BaseCommand):
         web_port, llama_port = free_port(), free_port()
         web = stack.web(web_port, production | {"CHAT_QUEUE_PER_SLOT": "4"})
         template = ["--chat-template", model.chat_template] if model.chat_template else ["--jinja"]
+        # The node's weight layout: BATCH_INVARIANT (on by default) turns llama.cpp's repacked CPU weights off.
+        # (On a CPU with AMX, llama-server with repacked weights crashed loading SmolLM2's Q4_1 file.)
+        layout = ["--no-repack"] if EngineConfig().BATCH_INVARIANT else []
         llama = stack.spawn(
             "llama-server",
             [
                 o["llama_server"],
                 *("-m", str(model.path), "--host", "127.0.0.1", "--port", str(llama_port)),
                 *("-t", str(o["threads"]), "-tb", str(o["threads"]), "-np", str(o["slots"])),
-                *("-c", str(o["slots"] * o["n_ctx"]), "--swa-full", *template),
+                *("-c", str(o["slots"] * o["n_ctx"]), "--swa-full", *template, *layout),
             ],
         )
         wait_for_http(f"http://127.0.0.1:{llama_port}/health", llama, LOG_DIR / "llama-server.log")
