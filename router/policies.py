@@ -4,9 +4,9 @@ A policy is one small class with one method, `choose`, given the session, its no
 node is healthy), whether the session's cache there is cold, and a `ClusterView` of the healthy nodes.
 Aliases are configured in `settings.ROUTER_POLICIES`, like `CACHES`.
 
-Every decision costs O(log nodes) or less: the view keeps its totals and its nodes bucketed by session count
-up to date as loads change, and bounded-load placement walks the consistent-hash ring from the session's point, looking
-at the few nodes it passes instead of every node's load.
+Every decision costs O(log nodes) or less: the view keeps its totals and its nodes bucketed by session
+count up to date as loads change, and bounded-load placement walks the consistent-hash ring from the
+session's point, looking at the few nodes it passes instead of every node's load.
 """
 
 import bisect
