@@ -54,8 +54,10 @@ class EngineConfig(BaseSettings):
     # The same output for a session whatever else is batched with it: turns off llama.cpp's repacked
     # CPU weights (measured here: 14% slower single-stream decoding, no change at 16 sequences).
     BATCH_INVARIANT: bool = True
-    # Tokens per llama_decode step: one per decoding sequence, the rest prefill chunks.
-    STEP_TOKEN_BUDGET: int = Field(512, ge=1)
+    # Tokens per llama_decode step: one per decoding sequence, the rest prompts (`Scheduler.schedule`).
+    # 0: 64 on a CPU, where a step costs about the same per token at any size and a small budget gives
+    # first tokens sooner; 512 with layers on a GPU, where a large step costs little more than a small one.
+    STEP_TOKEN_BUDGET: int = Field(0, ge=0)
     # Niceness of the engine thread and llama.cpp's compute threads (0: as the process). Positive lets the
     # short work a turn waits on (the node's task threads, the web process, Postgres, Redis on the same
     # cores) run as soon as it is ready. On bench_stack's 8x12 replay (4 interleaved pairs), 10 cut the
@@ -84,6 +86,12 @@ class EngineConfig(BaseSettings):
     def replace(self, **changes: Any) -> "EngineConfig":
         """A copy with `changes`, validated like the original (the environment is not read again)."""
         return type(self)(**(self.model_dump() | changes))
+
+    @property
+    def step_token_budget(self) -> int:
+        if self.STEP_TOKEN_BUDGET:
+            return self.STEP_TOKEN_BUDGET
+        return 512 if self.N_GPU_LAYERS else 64
 
     @property
     def kv_cells(self) -> int:

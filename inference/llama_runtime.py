@@ -46,7 +46,7 @@ class LlamaRuntime:
         self.model_file = config.model_file()
         self.model = LlamaModel(path_model=str(self.model_file.path), params=model_params, verbose=False)
         threads = config.N_THREADS or os.cpu_count() or 1
-        self.batch_capacity = max(config.STEP_TOKEN_BUDGET, config.MAX_CONCURRENT)
+        self.batch_capacity = max(config.step_token_budget, config.MAX_CONCURRENT)
         ctx_params = llama_cpp.llama_context_default_params()
         ctx_params.n_ctx = config.kv_cells
         ctx_params.n_batch = self.batch_capacity

@@ -83,21 +83,32 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         """The next step's entries: one token for each decoding request (and each finishing one, whose last
-        token still goes into the KV cache), then prefill chunks under the step's token budget.
+        token still goes into the KV cache), then prompts under the step's token budget: the oldest one
+        prefilling takes what is left of the budget (a chunk of a long prompt), a later one only if it fits
+        whole, else it waits for the next step.
+
+        On a CPU a step costs about the same per token at any size, so prompts that go into one step all wait
+        for the whole of it. One at a time, the first gets its first token after its own prompt, the next
+        after two, ...; the last a little later than together, by the extra steps' decoding tokens
+        (`EngineConfig.step_token_budget`).
 
         Entries go in sequence-id order: with one KV stream per sequence, llama.cpp splits a batch into
         micro-batches of consecutive sequence ids, and each micro-batch reads all the weights again (16
         sequences in arrival order took 1.65x as long as the same 16 sorted)."""
-        budget = self.config.STEP_TOKEN_BUDGET
+        budget = self.config.step_token_budget
         tokens: dict[int, list[int]] = {}
         for request in self.running:
             if request.last_token is not None:
                 tokens[id(request)] = [request.last_token]
                 budget -= 1
-        for request in self.running:
-            if request.state is RequestState.PREFILLING and budget > 0:
-                tokens[id(request)] = request.pending[:budget]
-                budget -= len(tokens[id(request)])
+        chunked = False
+        for request in self.running:  # in admission order
+            if request.state is not RequestState.PREFILLING or (chunked and len(request.pending) > budget):
+                continue
+            # The oldest prompt moves on every step, by a token at least, however many sequences decode.
+            tokens[id(request)] = request.pending[: max(budget, 1)]
+            budget -= len(tokens[id(request)])
+            chunked = True
         entries: list[BatchEntry] = []
         chunks: list[Chunk] = []
         for request in sorted(self.running, key=_seq_id):
