@@ -90,8 +90,8 @@ def _end_sessions_on(node: str, session_keys: list[str]) -> None:
 def conversation_set_model(*, conversation: Conversation, model: str) -> None:
     """Answer future turns with another model. Its nodes re-tokenize the earlier replies (another
     vocabulary), so the first turn after a switch computes the whole prompt."""
-    if conversation.model != check_model(model):
-        conversation.model = model
+    if conversation.model != model:
+        conversation.model = check_model(model)
         conversation.save(update_fields=["model", "updated_at"])
 
 

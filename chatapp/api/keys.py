@@ -3,6 +3,7 @@
 import hashlib
 import hmac
 import secrets
+from datetime import timedelta
 
 from django.contrib.auth.models import User
 from django.utils import timezone
@@ -11,6 +12,8 @@ from chatapp.models import ApiKey
 
 KEY_PREFIX = "sk-chat-"
 PREFIX_LENGTH = 16
+# `last_used_at` is kept to the minute: a key in steady use costs one write a minute, not one a request.
+LAST_USED_RESOLUTION = timedelta(minutes=1)
 
 
 _UNUSED_HASH = "0" * 64
@@ -44,5 +47,8 @@ def api_key_find(key: str) -> ApiKey | None:
     matches = hmac.compare_digest(row.hashed if row else _UNUSED_HASH, _hash(key))
     if row is None or not matches or not row.owner.is_active:
         return None
-    ApiKey.objects.filter(pk=row.pk).update(last_used_at=timezone.now())
+    now = timezone.now()
+    if row.last_used_at is None or now - row.last_used_at >= LAST_USED_RESOLUTION:
+        ApiKey.objects.filter(pk=row.pk).update(last_used_at=now)
+        row.last_used_at = now
     return row

@@ -5,7 +5,7 @@ import json
 import pytest
 from django.utils import timezone
 
-from chatapp.api.keys import api_key_create
+from chatapp.api.keys import LAST_USED_RESOLUTION, api_key_create, api_key_find
 from chatapp.models import ApiKey, Message, Turn
 from chatapp.turns import lifecycle
 
@@ -85,6 +85,18 @@ def test_missing_wrong_and_revoked_keys_are_401(client, user):
     response = post(client, body, HTTP_AUTHORIZATION=f"Bearer {key}")
     assert response.status_code == 401 and error(response)["type"] == "authentication_error"
     assert len(row.hashed) == 64 and key not in str(ApiKey.objects.values_list().get(pk=row.pk))
+
+
+def test_a_key_records_its_last_use_to_the_minute(user):
+    row, key = api_key_create(owner=user, name="busy")
+    first = api_key_find(key).last_used_at  # type: ignore[union-attr]
+    assert first is not None and ApiKey.objects.get(pk=row.pk).last_used_at == first
+    api_key_find(key)  # within the minute: no write
+    assert ApiKey.objects.get(pk=row.pk).last_used_at == first
+    earlier = timezone.now() - LAST_USED_RESOLUTION
+    ApiKey.objects.filter(pk=row.pk).update(last_used_at=earlier)
+    api_key_find(key)
+    assert ApiKey.objects.get(pk=row.pk).last_used_at > earlier  # type: ignore[operator]
 
 
 def test_a_prompt_longer_than_the_context_is_400_context_length_exceeded(client, auth, idle_node, settings):
