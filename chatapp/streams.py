@@ -4,6 +4,7 @@ import asyncio
 import json
 import logging
 import re
+import threading
 import time
 import weakref
 from functools import cache
@@ -16,9 +17,23 @@ from django.conf import settings
 logger = logging.getLogger(__name__)
 
 
-@cache
+_client: redis.Redis | None = None
+_client_lock = threading.Lock()
+
+
 def client() -> redis.Redis:
-    return redis.Redis.from_url(settings.REDIS_URL, decode_responses=True)
+    """The process's one sync client, made once under a lock.
+
+    Not `functools.cache`: threads that miss it together each make a client, and the ones not kept are
+    garbage collected at once; `Redis.__del__` closes its own pool, connections in use included, under
+    the command its thread is still sending (an AttributeError deep in redis-py, a 500 on a login).
+    """
+    global _client
+    if _client is None:
+        with _client_lock:
+            if _client is None:
+                _client = redis.Redis.from_url(settings.REDIS_URL, decode_responses=True)
+    return _client
 
 
 def stream_key(turn_key: str) -> str:
