@@ -10,10 +10,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import llama_cpp
+import numpy as np
 from llama_cpp._internals import LlamaContext, LlamaModel, LlamaSampler
 from llama_cpp._logger import set_verbose
 
 from inference.config import EngineConfig
+from inference.greedy import PENALTY_LAST_N, PenalizedGreedy
 from inference.kv_disk import model_digest
 from inference.types import Sampling
 
@@ -122,29 +124,35 @@ class LlamaRuntime:
         if code != 0:
             raise DecodeError(f"llama_decode returned {code}")
 
-    def sampler(self, sampling: Sampling) -> LlamaSampler:
-        """llama.cpp's own sampler chain for one sequence: penalties, then greedy or top-k/top-p/temperature."""
+    def sampler(self, sampling: Sampling) -> LlamaSampler | PenalizedGreedy:
+        """A sampler for one sequence: greedy in Python over the logits (inference/greedy.py), or llama.cpp's
+        own chain (penalties, then top-k/top-p/temperature)."""
+        if sampling.temperature <= 0:
+            return PenalizedGreedy(sampling)
         chain = LlamaSampler()
         chain.add_penalties(
             n_vocab=self.n_vocab,
-            penalty_last_n=64,
+            penalty_last_n=PENALTY_LAST_N,
             penalty_repeat=sampling.repeat_penalty,
             penalty_freq=sampling.frequency_penalty,
             penalty_present=sampling.presence_penalty,
         )
-        temperature, top_p, seed = sampling.temperature, sampling.top_p, sampling.seed
-        if temperature <= 0:
-            chain.add_greedy()
-        else:
-            chain.add_top_k(40)
-            chain.add_top_p(top_p, 1)
-            chain.add_temp(temperature)
-            chain.add_dist(llama_cpp.LLAMA_DEFAULT_SEED if seed is None else seed)
+        chain.add_top_k(40)
+        chain.add_top_p(sampling.top_p, 1)
+        chain.add_temp(sampling.temperature)
+        chain.add_dist(llama_cpp.LLAMA_DEFAULT_SEED if sampling.seed is None else sampling.seed)
         return chain
 
-    def sample(self, sampler: LlamaSampler, index: int) -> int:
+    def sample(self, sampler: LlamaSampler | PenalizedGreedy, index: int) -> int:
         """Sample from the logits of batch entry `index` (the sampler also records the token)."""
+        if isinstance(sampler, PenalizedGreedy):
+            return sampler.choose(self.logits(index))
         return llama_cpp.llama_sampler_sample(sampler.sampler, self.ctx, index)
+
+    def logits(self, index: int) -> np.ndarray:
+        """Batch entry `index`'s logits, in place: valid until the next decode."""
+        pointer = llama_cpp.llama_get_logits_ith(self.ctx, index)
+        return np.ctypeslib.as_array(pointer, shape=(self.n_vocab,))
 
     # Sequences --------------------------------------------------------------
 

@@ -8,6 +8,7 @@ from enum import Enum
 
 from llama_cpp._internals import LlamaSampler
 
+from inference.greedy import PenalizedGreedy
 from inference.session_cache import Residency, Session
 from inference.text_stream import TextAssembler
 from inference.types import Sampling
@@ -32,7 +33,7 @@ class Request:
     # Engine-thread state.
     state: RequestState = RequestState.WAITING
     session: Session | None = None
-    sampler: LlamaSampler | None = None
+    sampler: LlamaSampler | PenalizedGreedy | None = None
     pending: list[int] = field(default_factory=list)  # prompt tokens not yet in the KV cache
     last_token: int | None = None  # sampled, not yet in the KV cache
     generated: list[int] = field(default_factory=list)
@@ -58,6 +59,6 @@ class Request:
     def free_sampler(self) -> None:
         """Free llama.cpp's sampler chain now: LlamaSampler is in a reference cycle, so without this its
         buffers (about 1 MiB a request here) waited for the cyclic collector (the load test saw nodes grow)."""
-        if self.sampler is not None:
+        if isinstance(self.sampler, LlamaSampler):
             self.sampler.close()
-            self.sampler = None
+        self.sampler = None
