@@ -1,0 +1,30 @@
+"""llama.cpp's OpenMP threads spin briefly, not for milliseconds, once a decode is done."""
+
+import os
+import subprocess
+import sys
+
+from django.conf import settings
+
+
+def _spin_count(env: dict[str, str]) -> str:
+    """The spin count libgomp reports when the runtime module (and so llama.cpp) is first imported."""
+    shown = subprocess.run(
+        [sys.executable, "-c", "import inference.llama_runtime"],
+        env=env | {"OMP_DISPLAY_ENV": "verbose"},
+        cwd=settings.BASE_DIR,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stderr
+    return next(line.split("=")[1].strip(" '") for line in shown.splitlines() if "GOMP_SPINCOUNT" in line)
+
+
+def test_the_package_sets_the_spin_count_before_llama_cpp_loads():
+    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
+    assert _spin_count(env) == "10000"
+
+
+def test_a_spin_count_from_the_environment_wins():
+    assert _spin_count(os.environ | {"GOMP_SPINCOUNT": "2000"}) == "2000"
