@@ -65,9 +65,10 @@ class Stack:
                 process.kill()
                 process.wait()
 
-    def spawn(self, label: str, command: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-        """Any other program (llama-server, say), logged like the product's processes."""
-        return self._spawn(label, command, env or {}, product=False)
+    def spawn(self, label: str, command: list[str], env: dict[str, str]) -> subprocess.Popen:
+        """Any other program (llama-server, say), logged like the product's processes, with `env` as its
+        whole environment."""
+        return self._spawn(label, command, env, product=False)
 
     def _spawn(self, label: str, command: list[str], env: dict[str, str], product: bool = True) -> subprocess.Popen:
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -75,7 +76,7 @@ class Stack:
             process = subprocess.Popen(  # noqa: S603 (our own programs, arguments built here)
                 command,
                 cwd=settings.BASE_DIR,
-                env=product_environment(env) if product else os.environ | env,
+                env=product_environment(env) if product else env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )

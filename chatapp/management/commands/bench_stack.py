@@ -1,4 +1,5 @@
 import json
+import os
 import uuid
 from itertools import islice
 from pathlib import Path
@@ -111,6 +112,8 @@ class Command(BaseCommand):
                 *("-t", str(o["threads"]), "-tb", str(o["threads"]), "-np", str(o["slots"])),
                 *("-c", str(o["slots"] * o["n_ctx"]), "--swa-full", *template, *layout),
             ],
+            # As its users run it: libgomp's own spin count, not the one `inference/__init__.py` sets.
+            {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"},
         )
         wait_for_http(f"http://127.0.0.1:{llama_port}/health", llama, LOG_DIR / "llama-server.log")
         stack.wait_for_nodes(f"bench-{run}", 1)
