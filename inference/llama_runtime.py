@@ -129,6 +129,15 @@ class LlamaRuntime:
         own chain (penalties, then top-k/top-p/temperature)."""
         if sampling.temperature <= 0:
             return PenalizedGreedy(sampling)
+        chain = self.penalties(sampling)
+        chain.add_top_k(40)
+        chain.add_top_p(sampling.top_p, 1)
+        chain.add_temp(sampling.temperature)
+        chain.add_dist(llama_cpp.LLAMA_DEFAULT_SEED if sampling.seed is None else sampling.seed)
+        return chain
+
+    def penalties(self, sampling: Sampling) -> LlamaSampler:
+        """llama.cpp's chain, so far with only its repetition penalties over the last PENALTY_LAST_N tokens."""
         chain = LlamaSampler()
         chain.add_penalties(
             n_vocab=self.n_vocab,
@@ -137,10 +146,6 @@ class LlamaRuntime:
             penalty_freq=sampling.frequency_penalty,
             penalty_present=sampling.presence_penalty,
         )
-        chain.add_top_k(40)
-        chain.add_top_p(sampling.top_p, 1)
-        chain.add_temp(sampling.temperature)
-        chain.add_dist(llama_cpp.LLAMA_DEFAULT_SEED if sampling.seed is None else sampling.seed)
         return chain
 
     def sample(self, sampler: LlamaSampler | PenalizedGreedy, index: int) -> int:

@@ -5,7 +5,7 @@ from collections.abc import Iterator
 import pytest
 from llama_cpp._internals import LlamaSampler
 
-from inference.greedy import PENALTY_LAST_N, PenalizedGreedy
+from inference.greedy import PenalizedGreedy
 from inference.llama_runtime import BatchEntry, LlamaRuntime
 from inference.types import Sampling
 from tests.conftest import SMALL_ENGINE
@@ -21,14 +21,8 @@ def runtime(model_file) -> Iterator[LlamaRuntime]:
 
 
 def _llama_chain(runtime: LlamaRuntime, sampling: Sampling) -> LlamaSampler:
-    chain = LlamaSampler()
-    chain.add_penalties(
-        n_vocab=runtime.n_vocab,
-        penalty_last_n=PENALTY_LAST_N,
-        penalty_repeat=sampling.repeat_penalty,
-        penalty_freq=sampling.frequency_penalty,
-        penalty_present=sampling.presence_penalty,
-    )
+    """What the engine ran for a greedy request before: llama.cpp's penalties, then its greedy pick."""
+    chain = runtime.penalties(sampling)
     chain.add_greedy()
     return chain
 
