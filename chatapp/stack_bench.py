@@ -205,7 +205,19 @@ def compare(
                 if replayed.errors:
                     raise RuntimeError(f"{server.name} failed {len(replayed.errors)} turns: {replayed.errors[0]}")
                 results[scenario.label][server.name].append(replayed.figures())
+            check_same_prompts(results[scenario.label], ours.name, theirs.name)
     return results
+
+
+def check_same_prompts(figures: dict[str, Figures], ours: str, theirs: str) -> None:
+    """Both servers replayed the same conversations: their prompts must be about the same size (replies
+    differ a little). Far apart, one of them rendered the chat differently, and the comparison means nothing."""
+    sent = {name: figures[name][-1]["prompt_tokens"] for name in (ours, theirs)}
+    if not 0.5 <= sent[theirs] / max(sent[ours], 1) <= 2:
+        raise RuntimeError(
+            f"{ours} counted {sent[ours]:,.0f} prompt tokens and {theirs} {sent[theirs]:,.0f} for the same "
+            "conversations: one of them renders the chat differently (llama-server's chat template?)"
+        )
 
 
 # Ratios as llama-server / this stack for times (above 1: this stack is faster), this stack / llama-server

@@ -11,7 +11,7 @@ from django.core.management import CommandError, call_command
 from chatapp import quotas
 from chatapp.api.keys import api_key_create
 from chatapp.datasets import chitchat_conversations
-from chatapp.stack_bench import Server, replay, summarise
+from chatapp.stack_bench import Server, check_same_prompts, replay, summarise
 from tests.factories import UserFactory
 
 
@@ -59,3 +59,13 @@ def test_without_llama_server_the_command_says_how_to_build_it(tmp_path):
         call_command("bench_stack", "--llama-server", str(tmp_path / "missing"))
     with pytest.raises(CommandError, match="8x12,32x10"):
         call_command("bench_stack", "--scenarios", "8 by 12")
+
+
+def test_servers_that_saw_different_prompts_stop_the_comparison():
+    """Each server's prompt tokens for the same conversations: replies differ a little, a chat rendered
+    another way (llama-server sending a template's name instead of the chat, as it once did) a lot."""
+    close = {"stack": [{"prompt_tokens": 35_345}], "llama-server": [{"prompt_tokens": 33_120}]}
+    check_same_prompts(close, "stack", "llama-server")
+    apart = {"stack": [{"prompt_tokens": 35_345}], "llama-server": [{"prompt_tokens": 288}]}
+    with pytest.raises(RuntimeError, match="renders the chat differently"):
+        check_same_prompts(apart, "stack", "llama-server")

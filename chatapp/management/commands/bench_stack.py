@@ -100,7 +100,9 @@ class Command(BaseCommand):
         node = stack.node(f"bench-{run}", node_env, label="node", model=model.name)
         web_port, llama_port = free_port(), free_port()
         web = stack.web(web_port, production | {"CHAT_QUEUE_PER_SLOT": "4"})
-        template = ["--chat-template", model.chat_template] if model.chat_template else ["--jinja"]
+        # A forced template family is one of llama.cpp's built-in templates: with Jinja on, llama-server would
+        # take its name for a Jinja template and send every conversation as that one word.
+        template = ["--no-jinja", "--chat-template", model.chat_template] if model.chat_template else ["--jinja"]
         # The node's weight layout: BATCH_INVARIANT (on by default) turns llama.cpp's repacked CPU weights off.
         # (On a CPU with AMX, llama-server with repacked weights crashed loading SmolLM2's Q4_1 file.)
         layout = ["--no-repack"] if EngineConfig().BATCH_INVARIANT else []
