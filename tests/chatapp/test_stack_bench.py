@@ -64,8 +64,8 @@ def test_without_llama_server_the_command_says_how_to_build_it(tmp_path):
 def test_servers_that_saw_different_prompts_stop_the_comparison():
     """Each server's prompt tokens for the same conversations: replies differ a little, a chat rendered
     another way (llama-server sending a template's name instead of the chat, as it once did) a lot."""
-    close = {"stack": [{"prompt_tokens": 35_345}], "llama-server": [{"prompt_tokens": 33_120}]}
+    close = {"stack": [{"prompt_tokens": 35_345.0}], "llama-server": [{"prompt_tokens": 33_120.0}]}
     check_same_prompts(close, "stack", "llama-server")
-    apart = {"stack": [{"prompt_tokens": 35_345}], "llama-server": [{"prompt_tokens": 288}]}
+    apart = {"stack": [{"prompt_tokens": 35_345.0}], "llama-server": [{"prompt_tokens": 288.0}]}
     with pytest.raises(RuntimeError, match="renders the chat differently"):
         check_same_prompts(apart, "stack", "llama-server")
