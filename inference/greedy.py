@@ -3,7 +3,7 @@
 llama.cpp's chain for the same choice (penalties, then greedy) first copies every vocabulary entry's
 logit into a candidate array, then looks each of them up in its window's hash map: 262,144 entries a
 sequence a token for Gemma 3. The penalties only ever touch the tokens in the window (at most
-`last_n`), so here only those are penalised, in float32 as llama.cpp does, and one argmax picks the
+PENALTY_LAST_N), so here only those are penalised, in float32 as llama.cpp does, and one argmax picks the
 token; ties go to the lowest token id, as llama.cpp's greedy scan does. The tokens are the same.
 """
 
@@ -19,13 +19,13 @@ PENALTY_LAST_N = 64  # the window of generated tokens the penalties look at, as 
 class PenalizedGreedy:
     """One sequence's greedy sampler: its penalty window and the argmax."""
 
-    def __init__(self, sampling: Sampling, last_n: int = PENALTY_LAST_N) -> None:
+    def __init__(self, sampling: Sampling) -> None:
         self.repeat = np.float32(sampling.repeat_penalty)
         # Every token in the window has a count of at least 1, so its presence penalty always applies.
         self.frequency = np.float32(sampling.frequency_penalty)
         self.presence = np.float32(sampling.presence_penalty)
-        self.enabled = last_n > 0 and (self.repeat != 1 or self.frequency != 0 or self.presence != 0)
-        self.window: deque[int] = deque(maxlen=last_n)
+        self.enabled = self.repeat != 1 or self.frequency != 0 or self.presence != 0
+        self.window: deque[int] = deque(maxlen=PENALTY_LAST_N)
         self.counts: Counter[int] = Counter()
 
     def choose(self, logits: np.ndarray) -> int:
@@ -42,9 +42,7 @@ class PenalizedGreedy:
 
     def accept(self, token: int) -> None:
         """Count a generated token into the window, dropping the oldest when the window is full."""
-        if self.window.maxlen == 0:
-            return
-        if len(self.window) == self.window.maxlen:
+        if len(self.window) == PENALTY_LAST_N:
             oldest = self.window[0]
             self.counts[oldest] -= 1
             if not self.counts[oldest]:
