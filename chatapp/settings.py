@@ -145,6 +145,9 @@ REDIS_URL = env.str("REDIS_URL", default="redis://127.0.0.1:6379/0")
 CELERY_BROKER_URL = REDIS_URL
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_TASK_IGNORE_RESULT = True
+# No result backend is used; sharing its (disabled) instance saves each web request's thread from building
+# one again (Celery keeps a backend per thread, and finding its class reads every package's entry points).
+CELERY_RESULT_BACKEND_THREAD_SAFE = True
 # Tasks are acknowledged on receipt. A lost task is found by its turn instead (a dead node's turns are
 # sent again by its peers, a turn queued too long by its idle node). Late acks would also crash the worker
 # when Redis restarts: kombu then restores unacked messages over a connection already gone.
