@@ -3,6 +3,8 @@ finish. Every write goes through `chatapp.turns.lifecycle`, under the attempt th
 
 import dataclasses
 import logging
+import math
+import time
 from typing import TYPE_CHECKING
 
 from chatapp import streams
@@ -17,6 +19,9 @@ if TYPE_CHECKING:
     from inference.types import Sampling
 
 logger = logging.getLogger(__name__)
+# How long a token's append answers "was a stop asked?". Tokens come every step, so while they flow a stop
+# is seen at the next token; a reply that pauses longer (a long prompt step beside it) reads the flag.
+ANSWER_FRESH_S = 0.5
 
 
 def turn_generate(*, turn_id: int, attempt: int, engine: "Engine", node: str, incarnation: str) -> None:
@@ -57,20 +62,34 @@ def turn_generate(*, turn_id: int, attempt: int, engine: "Engine", node: str, in
 
 
 class _TokenStream:
-    """The attempt's tokens onto its stream, until a later attempt owns the stream: then it stops."""
+    """The attempt's tokens onto its stream, until a later attempt owns the stream or a reader asks it to stop.
+
+    Each append also answers whether a stop was asked, so while tokens flow the engine's polls for a stop
+    (every `inference.batch_engine.CANCEL_POLL_S`) cost no read of Redis; until the first token, and in a
+    pause of over ANSWER_FRESH_S, each poll reads the flag."""
 
     def __init__(self, turn: Turn) -> None:
         self.turn = turn
         self.superseded = False
+        self.stop_asked = False
+        self.appended_at = -math.inf  # when an append last said whether a stop was asked
 
     def publish(self, text: str) -> None:
-        if not self.superseded:
-            self.superseded = not streams.publish_or_log(
-                self.turn.stream_name, {"type": "token", "text": text}, attempt=self.turn.attempt
-            )
+        if self.superseded:
+            return
+        appended = streams.publish_or_log(
+            self.turn.stream_name, {"type": "token", "text": text}, attempt=self.turn.attempt
+        )
+        self.superseded = appended is streams.Appended.SUPERSEDED
+        self.stop_asked = appended is streams.Appended.STOP_ASKED
+        self.appended_at = time.monotonic()
 
     def should_stop(self) -> bool:
-        return self.superseded or streams.cancel_requested(self.turn.stream_name)
+        if self.superseded or self.stop_asked:
+            return True
+        if time.monotonic() - self.appended_at >= ANSWER_FRESH_S:
+            self.stop_asked = streams.cancel_requested(self.turn.stream_name)
+        return self.stop_asked
 
 
 def _summarize_after(*, turn: Turn, engine: "Engine") -> None:

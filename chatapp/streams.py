@@ -1,6 +1,7 @@
 """Token streams: one Redis stream `turn:<public id>` per turn, written by the node, read by the web."""
 
 import asyncio
+import enum
 import json
 import logging
 import re
@@ -62,7 +63,17 @@ def attempt_key(turn_key: str) -> str:
     return f"turn:{turn_key}:attempt"
 
 
-# Appends an event unless a later attempt owns the stream (KEYS: stream, attempt; ARGV: event, attempt, ttl).
+class Appended(enum.IntEnum):
+    """What appending an event did; false only when nothing was written."""
+
+    SUPERSEDED = 0  # a later attempt owns the stream: nothing written
+    WRITTEN = 1
+    STOP_ASKED = 2  # written, and the turn's reader has asked it to stop (`request_cancel`)
+
+
+# Appends an event unless a later attempt owns the stream, and says whether a stop was asked, so that a
+# node streaming tokens needs no read of its own for that (KEYS: stream, attempt, cancel; ARGV: event,
+# attempt, ttl). Returns an `Appended`.
 _PUBLISH = """
 local current = tonumber(redis.call('GET', KEYS[2]) or '-1')
 local attempt = tonumber(ARGV[2])
@@ -70,7 +81,7 @@ if attempt < current then return 0 end
 if attempt > current then redis.call('SET', KEYS[2], ARGV[2], 'EX', ARGV[3]) end
 redis.call('XADD', KEYS[1], '*', 'event', ARGV[1])
 redis.call('EXPIRE', KEYS[1], ARGV[3])
-return 1
+return 1 + redis.call('EXISTS', KEYS[3])
 """
 # Raises the fencing token to an attempt, never lowers it (KEYS: attempt; ARGV: attempt, ttl).
 _FENCE = """
@@ -85,13 +96,13 @@ def _scripts() -> tuple[Any, Any]:
     return client().register_script(_PUBLISH), client().register_script(_FENCE)
 
 
-def publish(turn_key: str, event: dict[str, Any], *, attempt: int) -> bool:
-    """Append the event, tagged with its attempt, to the turn's stream; False (nothing written) when a
+def publish(turn_key: str, event: dict[str, Any], *, attempt: int) -> Appended:
+    """Append the event, tagged with its attempt, to the turn's stream; SUPERSEDED (nothing written) when a
     later attempt of the turn owns the stream: a node that was replaced cannot write into its successor's."""
     event = event | {"attempt": attempt}
     ttl = settings.CHAT_STREAM_TTL_SECONDS
-    written = _scripts()[0](keys=[stream_key(turn_key), attempt_key(turn_key)], args=[json.dumps(event), attempt, ttl])
-    return bool(written)
+    keys = [stream_key(turn_key), attempt_key(turn_key), cancel_key(turn_key)]
+    return Appended(_scripts()[0](keys=keys, args=[json.dumps(event), attempt, ttl]))
 
 
 def fence(turn_key: str, attempt: int) -> None:
@@ -99,16 +110,16 @@ def fence(turn_key: str, attempt: int) -> None:
     _scripts()[1](keys=[attempt_key(turn_key)], args=[attempt, settings.CHAT_STREAM_TTL_SECONDS])
 
 
-def publish_or_log(turn_key: str, event: dict[str, Any], *, attempt: int) -> bool:
+def publish_or_log(turn_key: str, event: dict[str, Any], *, attempt: int) -> Appended:
     """`publish`, but a Redis outage only loses the live event, not the turn: the node goes on and
     stores the reply in Postgres, where readers find it once the stream has nothing more for them.
-    False only when a later attempt owns the stream."""
+    SUPERSEDED only when a later attempt owns the stream."""
     try:
         return publish(turn_key, event, attempt=attempt)
     except redis.RedisError as exc:
         level = logging.DEBUG if event.get("type") == "token" else logging.WARNING
         logger.log(level, "turn %s: %s event not streamed (%s)", turn_key, event.get("type"), exc)
-        return True
+        return Appended.WRITTEN
 
 
 def read_all(turn_key: str) -> list[dict[str, Any]]:

@@ -77,6 +77,16 @@ def test_a_stale_attempt_writes_nothing_to_the_stream():
     assert [(e["type"], e["attempt"]) for e in streams.read_all(key)] == [("token", 0), ("start", 1)]
 
 
+def test_an_append_says_whether_the_reader_asked_the_turn_to_stop():
+    key = f"test-{uuid.uuid4().hex}"
+    assert streams.publish(key, {"type": "token", "text": "a"}, attempt=0) is streams.Appended.WRITTEN
+    streams.request_cancel(key)
+    assert streams.publish(key, {"type": "token", "text": "b"}, attempt=0) is streams.Appended.STOP_ASKED
+    streams.fence(key, 1)
+    assert streams.publish(key, {"type": "token", "text": "c"}, attempt=0) is streams.Appended.SUPERSEDED
+    assert [e["text"] for e in streams.read_all(key)] == ["a", "b"]
+
+
 def test_retry_keeps_one_reply_at_a_time(db, idle_node):
     turn = running_turn(idle_node)
     assert lifecycle.turn_fail(turn_id=turn.pk, attempt=0, error="boom")
