@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from inference.chat_format import chat_format_for_model
 from inference.config import EngineConfig
@@ -34,6 +35,20 @@ logger = logging.getLogger(__name__)
 CANCEL_POLL_S = 0.1
 # How often the engine looks for an idle session to write to the disk tier.
 WRITE_BEHIND_INTERVAL_S = 0.2
+
+
+def _with_queued_text(events: queue.SimpleQueue, text: str) -> tuple[str, tuple[str | None, Any]]:
+    """`text` and every text event already queued behind it, as one piece (a caller that fell behind
+    streams once, not once a token), and the next event of another kind if one is queued."""
+    pieces = [text]
+    while True:
+        try:
+            kind, payload = events.get_nowait()
+        except queue.Empty:
+            return "".join(pieces), (None, None)
+        if kind != "text":
+            return "".join(pieces), (kind, payload)
+        pieces.append(payload)
 
 
 class BatchEngine:
@@ -118,11 +133,12 @@ class BatchEngine:
             except queue.Empty:
                 continue
             if kind == "text":
+                text, (kind, payload) = _with_queued_text(request.events, payload)
                 if on_text:
-                    on_text(payload)
-            elif kind == "done":
+                    on_text(text)
+            if kind == "done":
                 return payload
-            else:
+            if kind == "error":
                 raise payload
 
     def stats(self) -> NodeStats:
