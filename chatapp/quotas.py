@@ -15,6 +15,7 @@ import redis
 from django.conf import settings
 from django.contrib.auth.models import Permission, User
 from django.db import connection
+from django.db.models import Q
 
 from chatapp.models import Conversation, Turn, UserFact
 from chatapp.streams import client
@@ -36,8 +37,7 @@ def grant_unlimited_use(user: User) -> None:
 def check_new_turn(*, user_id: int, api_key_id: int | None = None) -> None:
     """Refuse a new turn over its user's or its API key's limits (QuotaExceeded says which, and when to try
     again). Call inside the transaction that stores the turn: it holds the user's lock until that commits."""
-    user = User.objects.get(pk=user_id)
-    if user.has_perm(UNLIMITED):
+    if _has_unlimited_use(user_id):
         return
     with connection.cursor() as cursor:
         cursor.execute("SELECT pg_advisory_xact_lock(%s, %s)", [_LOCK_SPACE, user_id])
@@ -51,6 +51,18 @@ def check_new_turn(*, user_id: int, api_key_id: int | None = None) -> None:
             unfinished.filter(api_key_id=api_key_id).count(), settings.CHAT_KEY_MAX_RUNNING_TURNS, "This key has"
         )
         _check_tokens(f"key:{api_key_id}", settings.CHAT_KEY_TOKENS_PER_MINUTE, "This key has")
+
+
+def _has_unlimited_use(user_id: int) -> bool:
+    """`User.has_perm(UNLIMITED)` as Django's ModelBackend answers it (an active superuser, or the permission
+    given to the user or one of their groups), in one query instead of three: it runs for every turn."""
+    app_label, codename = UNLIMITED.split(".")
+    granted = Permission.objects.filter(content_type__app_label=app_label, codename=codename)
+    return (
+        User.objects.filter(pk=user_id, is_active=True)
+        .filter(Q(is_superuser=True) | Q(user_permissions__in=granted) | Q(groups__permissions__in=granted))
+        .exists()
+    )
 
 
 def _check_running(running: int, limit: int, who: str) -> None:

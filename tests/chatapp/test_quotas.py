@@ -1,0 +1,24 @@
+"""Who is exempt from the turn limits: the one-query check agrees with Django's `has_perm` in every case."""
+
+from django.contrib.auth.models import Group, Permission
+
+from chatapp import quotas
+from tests.factories import UserFactory
+
+
+def test_unlimited_use_is_answered_as_has_perm_answers_it(db):
+    permission = Permission.objects.get(codename="unlimited_use", content_type__app_label="chatapp")
+    plain, direct, through_group, superuser, inactive_superuser = (UserFactory() for _ in range(5))
+    direct.user_permissions.add(permission)
+    group = Group.objects.create(name="replay accounts")
+    group.permissions.add(permission)
+    through_group.groups.add(group)
+    superuser.is_superuser = True
+    superuser.save(update_fields=["is_superuser"])
+    inactive_superuser.is_superuser, inactive_superuser.is_active = True, False
+    inactive_superuser.save(update_fields=["is_superuser", "is_active"])
+
+    users = [plain, direct, through_group, superuser, inactive_superuser]
+    answers = [quotas._has_unlimited_use(u.pk) for u in users]
+    assert answers == [False, True, True, True, False]
+    assert answers == [type(u).objects.get(pk=u.pk).has_perm(quotas.UNLIMITED) for u in users]
