@@ -42,6 +42,8 @@ class UnknownModel(ValueError):
 
 def check_model(model: str) -> str:
     """The model, if it is packaged here or some node has registered it (up or not); else UnknownModel."""
+    if model in PACKAGED:  # most requests: no query
+        return model
     known = set(PACKAGED) | known_models()
     if model not in known:
         raise UnknownModel(f"The model `{model}` does not exist; models: {', '.join(sorted(known))}.")

@@ -96,6 +96,7 @@ def turn_start(
     sampling: dict | None = None,
     policy: str | None = None,
     api_key: ApiKey | None = None,
+    reaped: bool = False,
 ) -> Turn:
     """Store the user's message and its queued turn; its task is queued once both are durable.
 
@@ -103,10 +104,12 @@ def turn_start(
     quotas, a node to run it and room in that node's queue. Called inside a caller's transaction (an API
     request that stores resent history first), a refusal rolls that back too. `sampling` overrides the
     node's defaults (fields of inference.types.Sampling); `policy` is a routing policy alias; `api_key` is
-    the key an API request came with (its own limits apply as well as its owner's).
+    the key an API request came with (its own limits apply as well as its owner's); `reaped`: the caller
+    has already run `reap_unfinished` over the conversation's turns, before its own transaction.
     """
     text = check_message_text(text)
-    reap_unfinished(conversation.turns.all())
+    if not reaped:
+        reap_unfinished(conversation.turns.all())
     served = check_message_fits(text, model=conversation.model)
     with transaction.atomic():
         conversation = Conversation.objects.select_for_update().get(pk=conversation.pk)

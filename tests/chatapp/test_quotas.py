@@ -1,14 +1,14 @@
 """Who is exempt from the turn limits: the one-query check agrees with Django's `has_perm` in every case."""
 
-from django.contrib.auth.models import Group, Permission
+from django.contrib.auth.models import Group, Permission, User
 
 from chatapp import quotas
-from tests.factories import UserFactory
 
 
 def test_unlimited_use_is_answered_as_has_perm_answers_it(db):
     permission = Permission.objects.get(codename="unlimited_use", content_type__app_label="chatapp")
-    plain, direct, through_group, superuser, inactive_superuser = (UserFactory() for _ in range(5))
+    users = [User.objects.create_user(f"quota-{n}") for n in range(5)]
+    _plain, direct, through_group, superuser, inactive_superuser = users
     direct.user_permissions.add(permission)
     group = Group.objects.create(name="replay accounts")
     group.permissions.add(permission)
@@ -18,7 +18,6 @@ def test_unlimited_use_is_answered_as_has_perm_answers_it(db):
     inactive_superuser.is_superuser, inactive_superuser.is_active = True, False
     inactive_superuser.save(update_fields=["is_superuser", "is_active"])
 
-    users = [plain, direct, through_group, superuser, inactive_superuser]
     answers = [quotas._has_unlimited_use(u.pk) for u in users]
     assert answers == [False, True, True, True, False]
-    assert answers == [type(u).objects.get(pk=u.pk).has_perm(quotas.UNLIMITED) for u in users]
+    assert answers == [User.objects.get(pk=u.pk).has_perm(quotas.UNLIMITED) for u in users]
