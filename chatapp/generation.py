@@ -3,11 +3,10 @@ finish. Every write goes through `chatapp.turns.lifecycle`, under the attempt th
 
 import dataclasses
 import logging
-import math
 import time
 from typing import TYPE_CHECKING
 
-from chatapp import streams
+from chatapp import stream_writer, streams
 from chatapp.memory.assembly import prompt_record, turn_prompt, turn_summarize
 from chatapp.memory.base import ContextOverflow
 from chatapp.models import Turn
@@ -40,13 +39,16 @@ def turn_generate(*, turn_id: int, attempt: int, engine: "Engine", node: str, in
         prompt = turn_prompt(turn=turn, engine=engine, sampling=sampling)
         if not turn_record_prompt(turn=turn, fields=prompt_record(turn, prompt, engine.chat_format)):
             return
-        generation = engine.generate(
-            session_key=turn.conversation.session_key,
-            prompt=prompt.tokens,
-            sampling=sampling,
-            on_text=tokens.publish,
-            should_stop=tokens.should_stop,
-        )
+        try:
+            generation = engine.generate(
+                session_key=turn.conversation.session_key,
+                prompt=prompt.tokens,
+                sampling=sampling,
+                on_text=tokens.publish,
+                should_stop=tokens.should_stop,
+            )
+        finally:
+            tokens.wait_written()
     except (PromptTooLong, ContextOverflow) as exc:
         turn_fail(
             turn_id=turn.pk, attempt=attempt, error=f"{type(exc).__name__}: {exc}", code="context_length_exceeded"
@@ -62,34 +64,34 @@ def turn_generate(*, turn_id: int, attempt: int, engine: "Engine", node: str, in
 
 
 class _TokenStream:
-    """The attempt's tokens onto its stream, until a later attempt owns the stream or a reader asks it to stop.
+    """The attempt's tokens onto its stream (through the node's `stream_writer`, batched with the other
+    replies' tokens), until a later attempt owns the stream or a reader asks the turn to stop.
 
     Each append also answers whether a stop was asked, so while tokens flow the engine's polls for a stop
-    (every `inference.batch_engine.CANCEL_POLL_S`) cost no read of Redis; until the first token, and in a
+    (every `inference.batch_engine.CANCEL_POLL_S`) cost no read of Redis; until the first answer, and in a
     pause of over ANSWER_FRESH_S, each poll reads the flag."""
 
     def __init__(self, turn: Turn) -> None:
         self.turn = turn
-        self.superseded = False
-        self.stop_asked = False
-        self.appended_at = -math.inf  # when an append last said whether a stop was asked
+        self.appends = stream_writer.Appends(turn.stream_name, turn.attempt)
+        self.stop_read = False
 
     def publish(self, text: str) -> None:
-        if self.superseded:
-            return
-        appended = streams.publish_or_log(
-            self.turn.stream_name, {"type": "token", "text": text}, attempt=self.turn.attempt
-        )
-        self.superseded = appended is streams.Appended.SUPERSEDED
-        self.stop_asked = appended is streams.Appended.STOP_ASKED
-        self.appended_at = time.monotonic()
+        if self.appends.answer is not streams.Appended.SUPERSEDED:
+            stream_writer.writer().append(self.appends, {"type": "token", "text": text})
 
     def should_stop(self) -> bool:
-        if self.superseded or self.stop_asked:
+        answer = self.appends.answer
+        if answer is streams.Appended.SUPERSEDED or answer is streams.Appended.STOP_ASKED or self.stop_read:
             return True
-        if time.monotonic() - self.appended_at >= ANSWER_FRESH_S:
-            self.stop_asked = streams.cancel_requested(self.turn.stream_name)
-        return self.stop_asked
+        if answer is None or time.monotonic() - self.appends.answered_at >= ANSWER_FRESH_S:
+            self.stop_read = streams.cancel_requested(self.turn.stream_name)
+        return self.stop_read
+
+    def wait_written(self) -> None:
+        """Until the tokens are on the stream, so that the turn's end (or error) event comes after them."""
+        if not self.appends.wait_written():
+            logger.warning("turn %s: tokens still not streamed after %ss", self.turn.pk, stream_writer.FLUSH_TIMEOUT_S)
 
 
 def _summarize_after(*, turn: Turn, engine: "Engine") -> None:

@@ -96,13 +96,28 @@ def _scripts() -> tuple[Any, Any]:
     return client().register_script(_PUBLISH), client().register_script(_FENCE)
 
 
+def publish_keys(turn_key: str) -> list[str]:
+    """The keys the publish script reads and writes, in its order."""
+    return [stream_key(turn_key), attempt_key(turn_key), cancel_key(turn_key)]
+
+
+def publish_sha() -> str:
+    """The publish script's SHA-1, for EVALSHA in a pipeline (`chatapp.stream_writer`)."""
+    return _scripts()[0].sha
+
+
+def load_scripts() -> None:
+    """Load the scripts into a Redis that has forgotten them (it restarted): EVALSHA in a pipeline does not."""
+    for script in _scripts():
+        client().script_load(script.script)
+
+
 def publish(turn_key: str, event: dict[str, Any], *, attempt: int) -> Appended:
     """Append the event, tagged with its attempt, to the turn's stream; SUPERSEDED (nothing written) when a
     later attempt of the turn owns the stream: a node that was replaced cannot write into its successor's."""
     event = event | {"attempt": attempt}
     ttl = settings.CHAT_STREAM_TTL_SECONDS
-    keys = [stream_key(turn_key), attempt_key(turn_key), cancel_key(turn_key)]
-    return Appended(_scripts()[0](keys=keys, args=[json.dumps(event), attempt, ttl]))
+    return Appended(_scripts()[0](keys=publish_keys(turn_key), args=[json.dumps(event), attempt, ttl]))
 
 
 def fence(turn_key: str, attempt: int) -> None:
