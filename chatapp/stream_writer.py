@@ -65,7 +65,11 @@ class StreamWriter:
             with self._ready:
                 self._ready.wait_for(lambda: bool(self._queue))
                 batch = [self._queue.popleft() for _ in range(len(self._queue))]
-            answers = self._send(batch)
+            try:
+                answers = self._send(batch)
+            except Exception:  # the writer must outlive a bad batch, or every later turn waits on it
+                logger.exception("%d token events not streamed", len(batch))
+                answers = [streams.Appended.WRITTEN] * len(batch)
             for (appends, _), answer in zip(batch, answers, strict=True):
                 with appends._done:
                     appends.answer, appends.queued = answer, appends.queued - 1
