@@ -4,7 +4,9 @@ llama-server (`bench_stack`).
 A replay is N sessions x T turns of held-out chitchat conversations, all sessions at once: each turn
 resends the session's whole history (streaming, greedy, a fixed `max_tokens`), and the reply the server
 wrote goes into the history. Each server's figures come from its own answers (TTFT as the client saw it,
-the cached prompt tokens it reports) and from /proc (the CPU time its processes used).
+the cached prompt tokens it reports) and from /proc (the CPU time its processes used, split into
+llama.cpp's compute threads and everything else the server needs: for this stack, the node's other
+threads, the web process, Postgres and Redis).
 """
 
 import http.client
@@ -36,6 +38,8 @@ class Server:
     pids: tuple[int, ...]  # the processes whose CPU time is the server's
     key: str = ""  # bearer token
     body: dict = field(default_factory=dict)  # request fields only this server needs
+    compute_threads: int = 2  # llama.cpp's threads: the busiest threads of `pids` in a replay
+    services: tuple[str, ...] = ()  # programs, by process name, that work only for this server in its replay
 
 
 @dataclass(frozen=True)
@@ -50,7 +54,8 @@ class TurnResult:
 @dataclass
 class ReplayResult:
     wall_s: float = 0.0
-    server_cpu_s: float = 0.0
+    compute_cpu_s: float = 0.0  # llama.cpp's threads
+    other_cpu_s: float = 0.0  # every other thread of the server's processes, and its services
     machine_cpu_s: float = 0.0
     ttft_ms: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
@@ -72,7 +77,9 @@ class ReplayResult:
             "ttft_p50_ms": percentile(self.ttft_ms, 50) or math.nan,
             "ttft_p90_ms": percentile(self.ttft_ms, 90) or math.nan,
             "cache_hit": self.cached_tokens / max(self.prompt_tokens, 1),
-            "cpu_ms_per_token": 1000 * self.server_cpu_s / tokens,
+            "cpu_ms_per_token": 1000 * (self.compute_cpu_s + self.other_cpu_s) / tokens,
+            "compute_cpu_ms_per_token": 1000 * self.compute_cpu_s / tokens,
+            "other_cpu_ms_per_token": 1000 * self.other_cpu_s / tokens,
             "machine_cpu_ms_per_token": 1000 * self.machine_cpu_s / tokens,
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
@@ -138,20 +145,53 @@ def replay(
                 result.add(answer)
             history.append({"role": "assistant", "content": answer.text})
 
-    cpu_before, machine_before = process_cpu_s(server.pids), machine_cpu_s()
+    threads_before, services_before = thread_cpu_s(server.pids), service_cpu_s(server.services)
+    machine_before = machine_cpu_s()
     result.wall_s = run_parallel([partial(one_session, k, texts) for k, texts in enumerate(conversations)])
-    result.server_cpu_s = process_cpu_s(server.pids) - cpu_before
+    used = sorted(
+        (cpu - threads_before.get(thread, 0.0) for thread, cpu in thread_cpu_s(server.pids).items()), reverse=True
+    )
+    result.compute_cpu_s = sum(used[: server.compute_threads])
+    result.other_cpu_s = sum(used[server.compute_threads :]) + service_cpu_s(server.services) - services_before
     result.machine_cpu_s = machine_cpu_s() - machine_before
     return result
 
 
-def process_cpu_s(pids: Sequence[int]) -> float:
-    """User and system CPU seconds the processes (all their threads) have used so far."""
-    total = 0
+def _cpu_ticks(stat: Path, *, children: bool = False) -> int | None:
+    """utime + stime (and, with `children`, cutime + cstime: the CPU of children it has reaped) from a
+    /proc stat file; None if the process or thread is gone."""
+    try:
+        fields = stat.read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return sum(int(v) for v in fields[11 : 15 if children else 13])  # fields 14-17 of proc(5)
+
+
+def thread_cpu_s(pids: Sequence[int]) -> dict[tuple[int, str], float]:
+    """User and system CPU seconds each live thread of the processes has used so far, by (pid, thread id)."""
+    used = {}
     for pid in pids:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        total += int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of proc(5)
-    return total / CLOCK_TICKS
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            if (ticks := _cpu_ticks(task / "stat")) is not None:
+                used[(pid, task.name)] = ticks / CLOCK_TICKS
+    return used
+
+
+def service_cpu_s(names: Sequence[str]) -> float:
+    """CPU seconds used so far by every process with one of these names, with the children they reaped (a
+    Postgres backend that exits counts in its postmaster's)."""
+    if not names:
+        return 0.0
+    ticks = 0
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                name = (proc / "comm").read_text().strip()
+            except OSError:
+                continue
+            if name in names:
+                ticks += _cpu_ticks(proc / "stat", children=True) or 0
+    return ticks / CLOCK_TICKS
 
 
 def machine_cpu_s() -> float:
@@ -227,6 +267,7 @@ RATIOS = {
     "ttft_p50_ratio": ("ttft_p50_ms", False),
     "ttft_p90_ratio": ("ttft_p90_ms", False),
     "cpu_per_token_ratio": ("cpu_ms_per_token", False),
+    "compute_cpu_ratio": ("compute_cpu_ms_per_token", False),
     "cache_hit_ratio": ("cache_hit", True),
 }
 

@@ -3,6 +3,8 @@ and a clear error without the comparison server. (The side-by-side run itself ne
 a ten-minute build, so the suite does not run it; the README gives its figures and command.)"""
 
 import os
+import threading
+import time
 from itertools import islice
 
 import pytest
@@ -11,7 +13,7 @@ from django.core.management import CommandError, call_command
 from chatapp import quotas
 from chatapp.api.keys import api_key_create
 from chatapp.datasets import chitchat_conversations
-from chatapp.stack_bench import Server, check_same_prompts, replay, summarise
+from chatapp.stack_bench import Server, check_same_prompts, replay, service_cpu_s, summarise, thread_cpu_s
 from tests.factories import UserFactory
 
 
@@ -21,7 +23,7 @@ def test_a_replay_through_the_stack_resends_history_and_reads_its_cache_hits(nod
     quotas.grant_unlimited_use(user)
     _, key = api_key_create(owner=user, name="bench")
     # The CPU counted is this process's: it certainly works during the replay (the node runs elsewhere).
-    server = Server("stack", asgi_server, model_file.name, (os.getpid(),), key=key)
+    server = Server("stack", asgi_server, model_file.name, (os.getpid(),), key=key, services=("postgres",))
     conversations = list(islice(chitchat_conversations(min_messages=6), 2))
 
     result = replay(server, conversations, turns=3, max_tokens=8, ignore_eos=True, tag="bench-test")
@@ -32,12 +34,16 @@ def test_a_replay_through_the_stack_resends_history_and_reads_its_cache_hits(nod
     assert 0.3 < result.cached_tokens / result.prompt_tokens < 1
     figures = result.figures()
     assert figures["cpu_ms_per_token"] > 0 and figures["wall_s"] > 0
+    assert figures["compute_cpu_ms_per_token"] > 0 and figures["other_cpu_ms_per_token"] > 0
+    split = figures["compute_cpu_ms_per_token"] + figures["other_cpu_ms_per_token"]
+    assert split == pytest.approx(figures["cpu_ms_per_token"])
     assert figures["ttft_p50_ms"] <= figures["ttft_p90_ms"]
 
 
 def test_ratios_say_how_much_faster_this_stack_is_with_their_median_and_range():
     def run(wall: float, cache_hit: float) -> dict[str, float]:
         figures = {"wall_s": wall, "ttft_p50_ms": wall, "ttft_p90_ms": wall, "cpu_ms_per_token": wall}
+        figures |= {"compute_cpu_ms_per_token": wall}
         return figures | {"cache_hit": cache_hit}
 
     results = {
@@ -69,3 +75,34 @@ def test_servers_that_saw_different_prompts_stop_the_comparison():
     apart = {"stack": [{"prompt_tokens": 35_345.0}], "llama-server": [{"prompt_tokens": 288.0}]}
     with pytest.raises(RuntimeError, match="renders the chat differently"):
         check_same_prompts(apart, "stack", "llama-server")
+
+
+def test_cpu_is_counted_per_thread_and_for_services_by_name(django_db_blocker):
+    """The split of a server's CPU: a busy thread shows as one thread's time, and a query's work as
+    Postgres's (its backends found by process name)."""
+    hold = threading.Event()
+
+    def burn_then_wait() -> None:  # a thread that ended would be gone from /proc: it waits to be read
+        until = time.thread_time() + 0.3
+        while time.thread_time() < until:
+            pass
+        hold.wait(10)
+
+    before = thread_cpu_s([os.getpid()])
+    busy = threading.Thread(target=burn_then_wait)
+    busy.start()
+    time.sleep(0.6)
+    after = thread_cpu_s([os.getpid()])
+    hold.set()
+    busy.join()
+    grew = sorted(after[t] - before.get(t, 0.0) for t in after)
+    assert grew[-1] >= 0.25
+
+    postgres_before = service_cpu_s(("postgres",))
+    with django_db_blocker.unblock():
+        from django.db import connection
+
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT count(*) FROM generate_series(1, 3000000)")
+    assert service_cpu_s(("postgres",)) - postgres_before > 0.05
+    assert service_cpu_s(()) == 0.0
