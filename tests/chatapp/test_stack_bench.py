@@ -35,7 +35,9 @@ def test_a_replay_through_the_stack_resends_history_and_reads_its_cache_hits(nod
     assert 0.3 < result.cached_tokens / result.prompt_tokens < 1
     figures = result.figures()
     assert figures["cpu_ms_per_token"] > 0 and figures["wall_s"] > 0
-    assert figures["compute_cpu_ms_per_token"] > 0 and figures["other_cpu_ms_per_token"] > 0
+    # The busiest threads' share is never empty; the rest (other threads, Postgres) may round to no clock tick
+    # in so short a replay.
+    assert figures["compute_cpu_ms_per_token"] > 0 and figures["other_cpu_ms_per_token"] >= 0
     split = figures["compute_cpu_ms_per_token"] + figures["other_cpu_ms_per_token"]
     assert split == pytest.approx(figures["cpu_ms_per_token"])
     assert figures["ttft_p50_ms"] <= figures["ttft_p90_ms"]
