@@ -146,13 +146,15 @@ def replay(
             history.append({"role": "assistant", "content": answer.text})
 
     threads_before, services_before = thread_cpu_s(server.pids), service_cpu_s(server.services)
-    machine_before = machine_cpu_s()
+    processes_before, machine_before = process_cpu_s(server.pids), machine_cpu_s()
     result.wall_s = run_parallel([partial(one_session, k, texts) for k, texts in enumerate(conversations)])
     used = sorted(
         (cpu - threads_before.get(thread, 0.0) for thread, cpu in thread_cpu_s(server.pids).items()), reverse=True
     )
     result.compute_cpu_s = sum(used[: server.compute_threads])
-    result.other_cpu_s = sum(used[server.compute_threads :]) + service_cpu_s(server.services) - services_before
+    processes = process_cpu_s(server.pids) - processes_before
+    # Each thread's time is rounded down to a clock tick, the processes' is not: never below zero.
+    result.other_cpu_s = max(processes - result.compute_cpu_s, 0.0) + service_cpu_s(server.services) - services_before
     result.machine_cpu_s = machine_cpu_s() - machine_before
     return result
 
@@ -165,6 +167,12 @@ def _cpu_ticks(stat: Path, *, children: bool = False) -> int | None:
     except OSError:
         return None
     return sum(int(v) for v in fields[11 : 15 if children else 13])  # fields 14-17 of proc(5)
+
+
+def process_cpu_s(pids: Sequence[int]) -> float:
+    """User and system CPU seconds the processes have used so far, threads that already ended included (the
+    web runs each request's database work on a thread of its own)."""
+    return sum(_cpu_ticks(Path(f"/proc/{pid}/stat")) or 0 for pid in pids) / CLOCK_TICKS
 
 
 def thread_cpu_s(pids: Sequence[int]) -> dict[tuple[int, str], float]:

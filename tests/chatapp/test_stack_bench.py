@@ -14,7 +14,15 @@ from django.db import connection
 from chatapp import quotas
 from chatapp.api.keys import api_key_create
 from chatapp.datasets import chitchat_conversations
-from chatapp.stack_bench import Server, check_same_prompts, replay, service_cpu_s, summarise, thread_cpu_s
+from chatapp.stack_bench import (
+    Server,
+    check_same_prompts,
+    process_cpu_s,
+    replay,
+    service_cpu_s,
+    summarise,
+    thread_cpu_s,
+)
 from tests.factories import UserFactory
 
 
@@ -80,9 +88,9 @@ def test_servers_that_saw_different_prompts_stop_the_comparison():
         check_same_prompts(apart, "stack", "llama-server")
 
 
-def test_cpu_is_counted_per_thread_and_for_services_by_name(django_db_blocker):
-    """The split of a server's CPU: a busy thread shows as one thread's time, and a query's work as
-    Postgres's (its backends found by process name)."""
+def test_cpu_is_counted_per_thread_per_process_and_for_services_by_name(django_db_blocker):
+    """The split of a server's CPU: a busy thread shows as one thread's time, a thread that ended still in
+    its process's, and a query's work as Postgres's (its backends found by process name)."""
     hold = threading.Event()
 
     def burn_then_wait() -> None:  # a thread that ended would be gone from /proc: it waits to be read
@@ -100,6 +108,15 @@ def test_cpu_is_counted_per_thread_and_for_services_by_name(django_db_blocker):
     busy.join()
     grew = sorted(after[t] - before.get(t, 0.0) for t in after)
     assert grew[-1] >= 0.25
+
+    # A thread that has ended is gone from the threads, not from its process's time.
+    process_before = process_cpu_s([os.getpid()])
+    threads_before = sum(thread_cpu_s([os.getpid()]).values())
+    ended = threading.Thread(target=burn_then_wait)
+    ended.start()
+    ended.join()
+    assert process_cpu_s([os.getpid()]) - process_before >= 0.25
+    assert sum(thread_cpu_s([os.getpid()]).values()) - threads_before < 0.1
 
     postgres_before = service_cpu_s(("postgres",))
     with django_db_blocker.unblock(), connection.cursor() as cursor:
