@@ -119,7 +119,7 @@ def _stored(conversation: Conversation, **before) -> list[tuple[str, str]]:
 def _sent_again(conversation: Conversation, system: str, wanted: list[tuple[str, str]], new_text: str) -> Turn | None:
     """The turn this very request started, if the client sends it again: the conversation's latest turn
     answers the same text after the same history. A failed one is retried; a cancelled one is not reused."""
-    turn = conversation.turns.select_related("user_message").order_by("-id").first()
+    turn = conversation.turns.select_related("user_message").defer(*Turn.PROMPT_RECORD).order_by("-id").first()
     if turn is None or conversation.system_prompt != system or turn.status == Turn.Status.CANCELLED:
         return None
     if _normalised("user", new_text) != ("user", turn.user_message.content):

@@ -53,30 +53,33 @@ def stored_summaries(conversation: Conversation) -> list[StoredSummary]:
     return [StoredSummary(s.text, s.through_message_id, s.first_message_id or 0) for s in conversation.summaries.all()]
 
 
-def _history(turn: Turn, model: str) -> list[StoredMessage]:
-    """Every message of the conversation stored before the turn's own."""
-    earlier = Message.objects.filter(conversation_id=turn.conversation_id, id__lt=turn.user_message_id)
-    return [stored_message(m, model=model) for m in earlier.order_by("created_at", "id")]
+def _history(turn: Turn, model: str, *, with_own: bool = False) -> list[StoredMessage]:
+    """Every message of the conversation stored before the turn's own (and that one last, `with_own`)."""
+    own = turn.user_message_id
+    upto = {"id__lte": own} if with_own else {"id__lt": own}
+    stored = Message.objects.filter(conversation_id=turn.conversation_id, **upto).order_by("created_at", "id")
+    # Stable: the turn's own message last, the others in their order.
+    return sorted((stored_message(m, model=model) for m in stored), key=lambda m: m.id == own)
 
 
 def _context(turn: Turn, engine: "Engine", sampling: Sampling) -> MemoryContext:
+    """Everything the strategy may read, in five queries: it runs before every turn's first token."""
     conversation = turn.conversation
+    *history, new_message = _history(turn, engine.model, with_own=True)
     earlier = conversation.turns.filter(id__lt=turn.pk, status=Turn.Status.DONE).order_by("id")
-    previous = earlier.last()
+    traced = list(earlier.values_list("user_message_id", "trace__recalled", "trace__first_verbatim"))
     fmt = engine.chat_format
     return MemoryContext(
-        history=_history(turn, engine.model),
-        new_message=stored_message(turn.user_message, model=engine.model),
+        history=history,
+        new_message=new_message,
         budget=engine.n_ctx - sampling.max_tokens - fmt.overhead,
         count_tokens=fmt.count,
         system_prompt=conversation.system_prompt or settings.CHAT_SYSTEM_PROMPT,
         facts=list(UserFact.objects.filter(owner_id=conversation.owner_id).values_list("text", flat=True)),
         summaries=stored_summaries(conversation),
-        previous_first_id=previous.trace.get("first_verbatim") if previous else None,
+        previous_first_id=traced[-1][2] if traced else None,
         search=lambda query, ids: message_search(query=query, message_ids=ids),
-        recalled={
-            user_id: tuple(ids) for user_id, ids in earlier.values_list("user_message_id", "trace__recalled") if ids
-        },
+        recalled={user_id: tuple(ids) for user_id, ids, _ in traced if ids},
         names=names_of(conversation),
     )
 

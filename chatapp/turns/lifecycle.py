@@ -10,7 +10,8 @@ that locks the turn's row, checks the attempt, and defers its side effects to th
 Side effects wait for the commit (`transaction.on_commit`): the task is queued on its node, the stream's
 fencing token moves to the new attempt (an older one can no longer write to it), and stream events carry
 their attempt. Every write a node makes (claim, prompt, reply, failure) names its attempt; a stale one
-changes nothing. Nothing else writes a turn.
+changes nothing. Nothing else writes a turn. The claim and the prompt's record, on every first token's
+path, are each one guarded UPDATE instead of a transaction (`turn_claim` says why that is the same).
 """
 
 import logging
@@ -45,17 +46,16 @@ ALLOWED: dict[str, set[str]] = {
 }
 
 
-def _locked(turn_id: int, *, to: str | None, attempt: int | None = None) -> Turn | None:
-    """The turn, locked for this transaction, if it may move to `to` (None: stay running) and is still at
-    `attempt` (None: any); else None (also once its conversation was deleted). Call inside
-    `transaction.atomic()`."""
-    turn = Turn.objects.select_for_update(of=("self",)).select_related("conversation").filter(pk=turn_id).first()
+def _locked(turn_id: int, *, to: str, attempt: int | None = None) -> Turn | None:
+    """The turn, locked for this transaction, if it may move to `to` and is still at `attempt` (None: any);
+    else None (also once its conversation was deleted). Call inside `transaction.atomic()`."""
+    locking = Turn.objects.select_for_update(of=("self",)).select_related("conversation")
+    turn = locking.defer(*Turn.PROMPT_RECORD).filter(pk=turn_id).first()
     if turn is None:
         return None
     if attempt is not None and turn.attempt != attempt:
         return None
-    allowed = turn.status == Status.RUNNING if to is None else to in ALLOWED[turn.status]
-    return turn if allowed else None
+    return turn if to in ALLOWED[turn.status] else None
 
 
 def _reconnecting[T](write: Callable[[], T]) -> T:
@@ -235,37 +235,41 @@ def turn_fail(*, turn_id: int, attempt: int, error: str, code: str = "generation
 
 def turn_claim(*, turn_id: int, attempt: int, node: str, incarnation: str) -> Turn | None:
     """Start running the turn on this node process, if it is queued at `attempt`; None otherwise (finished,
-    or sent again since this task was queued). Announces the attempt's start on the stream."""
+    or sent again since this task was queued). Announces the attempt's start on the stream.
+
+    The node's writes run before every first token, so each is one guarded UPDATE, not a transaction
+    around a locked read: Postgres locks the row and checks the attempt and status against its latest
+    version, and the fields read before it never change while the turn stays queued at that attempt."""
 
     def claim() -> Turn | None:
-        with transaction.atomic():
-            turn = _locked(turn_id, to=Status.RUNNING, attempt=attempt)
-            if turn is None or turn.status != Status.QUEUED:
-                return None
-            turn.status, turn.node, turn.node_incarnation = Status.RUNNING, node, incarnation
-            turn.started_at = timezone.now()
-            turn.queue_ms = (turn.started_at - turn.created_at).total_seconds() * 1000
-            turn.save(update_fields=["status", "node", "node_incarnation", "started_at", "queue_ms"])
-            _announce(turn, {"type": "start", "node": node})
+        queued = Turn.objects.filter(pk=turn_id, attempt=attempt, status=Status.QUEUED)
+        turn = queued.select_related("conversation").defer(*Turn.PROMPT_RECORD).first()
+        if turn is None:
+            return None
+        turn.status, turn.node, turn.node_incarnation = Status.RUNNING, node, incarnation
+        turn.started_at = timezone.now()
+        turn.queue_ms = (turn.started_at - turn.created_at).total_seconds() * 1000
+        moved = ("status", "node", "node_incarnation", "started_at", "queue_ms")
+        if not queued.update(**{name: getattr(turn, name) for name in moved}):
+            return None  # cancelled or sent again since it was read
+        streams.publish_or_log(turn.stream_name, {"type": "start", "node": node}, attempt=attempt)
         return turn
 
     return _reconnecting(claim)
 
 
 def turn_record_prompt(*, turn: Turn, fields: dict[str, Any]) -> bool:
-    """Store what the running attempt's strategy resent and dropped; False if the attempt is stale."""
+    """Store what the running attempt's strategy resent and dropped; False if the attempt is stale (one
+    guarded UPDATE, as `turn_claim`)."""
 
     def record() -> bool:
-        with transaction.atomic():
-            locked = _locked(turn.pk, to=None, attempt=turn.attempt)
-            if locked is None:
-                return False
-            Turn.objects.filter(pk=turn.pk).update(**fields)
-        for name, value in fields.items():
-            setattr(turn, name, value)
-        return True
+        return bool(Turn.objects.filter(pk=turn.pk, attempt=turn.attempt, status=Status.RUNNING).update(**fields))
 
-    return _reconnecting(record)
+    if not _reconnecting(record):
+        return False
+    for name, value in fields.items():
+        setattr(turn, name, value)
+    return True
 
 
 _FINISH_FIELDS = ["assistant_message", "status", "finish_reason", *Turn.MEASUREMENTS, "finished_at"]
