@@ -15,7 +15,6 @@ import redis
 from django.conf import settings
 from django.contrib.auth.models import Permission, User
 from django.db import connection
-from django.db.models import Q
 
 from chatapp.models import Conversation, Turn, UserFact
 from chatapp.streams import client
@@ -53,16 +52,37 @@ def check_new_turn(*, user_id: int, api_key_id: int | None = None) -> None:
         _check_tokens(f"key:{api_key_id}", settings.CHAT_KEY_TOKENS_PER_MINUTE, "This key has")
 
 
-def _has_unlimited_use(user_id: int) -> bool:
-    """`User.has_perm(UNLIMITED)` as Django's ModelBackend answers it (an active superuser, or the permission
-    given to the user or one of their groups), in one query instead of three: it runs for every turn."""
-    app_label, codename = UNLIMITED.split(".")
-    granted = Permission.objects.filter(content_type__app_label=app_label, codename=codename)
-    return (
-        User.objects.filter(pk=user_id, is_active=True)
-        .filter(Q(is_superuser=True) | Q(user_permissions__in=granted) | Q(groups__permissions__in=granted))
-        .exists()
+# `User.has_perm(UNLIMITED)` in one statement. Written out: it runs for every turn, and Django took 2-4 ms of
+# the web's CPU to build it (with joins or with Exists), ten times the cost of sending it.
+_UNLIMITED_SQL = """
+WITH granted AS (
+    SELECT p.id FROM auth_permission p JOIN django_content_type ct ON ct.id = p.content_type_id
+    WHERE ct.app_label = %(app_label)s AND p.codename = %(codename)s
+)
+SELECT EXISTS (
+    SELECT 1 FROM auth_user u
+    WHERE u.id = %(user_id)s AND u.is_active AND (
+        u.is_superuser
+        OR EXISTS (
+            SELECT 1 FROM auth_user_user_permissions up
+            WHERE up.user_id = u.id AND up.permission_id IN (SELECT id FROM granted)
+        )
+        OR EXISTS (
+            SELECT 1 FROM auth_user_groups ug JOIN auth_group_permissions gp ON gp.group_id = ug.group_id
+            WHERE ug.user_id = u.id AND gp.permission_id IN (SELECT id FROM granted)
+        )
     )
+)
+"""
+
+
+def _has_unlimited_use(user_id: int) -> bool:
+    """`User.has_perm(UNLIMITED)` as Django's ModelBackend answers it: an active superuser, or the permission
+    given to the user or to one of their groups."""
+    app_label, codename = UNLIMITED.split(".")
+    with connection.cursor() as cursor:
+        cursor.execute(_UNLIMITED_SQL, {"app_label": app_label, "codename": codename, "user_id": user_id})
+        return cursor.fetchone()[0]
 
 
 def _check_running(running: int, limit: int, who: str) -> None:

@@ -2,6 +2,7 @@
 
 import json
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Any
 
 from django.conf import settings
@@ -144,13 +145,20 @@ def _content(content: Any, i: int) -> str:
     raise ApiError(f"messages[{i}].content must be a string or text parts.", param=f"messages[{i}].content")
 
 
+@cache
+def _reply_token_cap() -> int:
+    """MAX_REPLY_TOKENS as this process's environment sets it, read once: building the settings object
+    parses the whole environment (about a millisecond, on the event loop of every request)."""
+    return EngineConfig().MAX_REPLY_TOKENS
+
+
 def _sampling(data: dict) -> dict[str, Any]:
     sampling: dict[str, Any] = {}
     max_tokens = data.get("max_completion_tokens", data.get("max_tokens"))
     if max_tokens is not None:
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise ApiError("max_tokens must be a positive integer.", param="max_tokens")
-        cap = EngineConfig().MAX_REPLY_TOKENS
+        cap = _reply_token_cap()
         if max_tokens > cap:
             raise ApiError(
                 f"max_tokens is {max_tokens}; this server writes at most {cap} tokens per reply (MAX_REPLY_TOKENS).",

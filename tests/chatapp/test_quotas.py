@@ -7,9 +7,13 @@ from chatapp import quotas
 
 def test_unlimited_use_is_answered_as_has_perm_answers_it(db):
     permission = Permission.objects.get(codename="unlimited_use", content_type__app_label="chatapp")
-    users = [User.objects.create_user(f"quota-{n}") for n in range(5)]
-    _plain, direct, through_group, superuser, inactive_superuser = users
+    users = [User.objects.create_user(f"quota-{n}") for n in range(6)]
+    _plain, direct, through_group, superuser, inactive_superuser, other_permissions = users
     direct.user_permissions.add(permission)
+    unrelated = Permission.objects.get(codename="add_conversation", content_type__app_label="chatapp")
+    other_permissions.user_permissions.add(unrelated)
+    Group.objects.create(name="editors").permissions.add(unrelated)
+    other_permissions.groups.add(Group.objects.get(name="editors"))
     group = Group.objects.create(name="replay accounts")
     group.permissions.add(permission)
     through_group.groups.add(group)
@@ -19,5 +23,5 @@ def test_unlimited_use_is_answered_as_has_perm_answers_it(db):
     inactive_superuser.save(update_fields=["is_superuser", "is_active"])
 
     answers = [quotas._has_unlimited_use(u.pk) for u in users]
-    assert answers == [False, True, True, True, False]
+    assert answers == [False, True, True, True, False, False]
     assert answers == [User.objects.get(pk=u.pk).has_perm(quotas.UNLIMITED) for u in users]
