@@ -9,15 +9,12 @@ import dataclasses
 import hashlib
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, NamedTuple
 
-import psycopg
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.backends.utils import CursorDebugWrapper, CursorWrapper
 from django.db.models import Count, F, OuterRef, Q, Subquery
 from django.db.models.functions import Coalesce
 from django.db.models.signals import post_save
@@ -190,9 +187,11 @@ def _healthy(model: str | None):
 
 
 def served_models() -> dict[str, ServedModel]:
-    """The models some healthy node serves, each with the tightest limits among its nodes."""
+    """The models some healthy node serves, each with the tightest limits among its nodes. Asked on every
+    turn: only these columns (a node's stats, written by its heartbeats, run to kilobytes)."""
     served: dict[str, ServedModel] = {}
-    for node in healthy_nodes():
+    limits = ("name", "model", "model_path", "chat_template", "n_ctx", "max_reply_tokens")
+    for node in _healthy(None).only(*limits).order_by("name"):
         if node.model:
             known = served.get(node.model)
             served[node.model] = ServedModel(
@@ -334,23 +333,10 @@ def _no_node_message(model: str | None) -> str:
 _ASSIGNED_COLUMNS = ("id", "name", "queue", "status", "capacity", "sessions", "work", "kv_use", "last_heartbeat")
 
 
-@contextmanager
-def _prepared_cursor() -> Iterator[CursorWrapper]:
-    """A cursor for the hot path's statements: it binds their parameters on the server, so psycopg prepares
-    each statement on a connection once it has run there `prepare_threshold` times (DATABASES' OPTIONS), and
-    Postgres stops planning it on every call (0.2 ms of a placement's 0.6). Wrapped as Django wraps its own
-    cursors, so the statements are logged and counted like any other."""
-    connection.ensure_connection()
-    connection.validate_thread_sharing()  # as Django's own cursor() does
-    wrapper = CursorDebugWrapper if connection.queries_logged else CursorWrapper
-    with wrapper(psycopg.Cursor(connection.connection), connection) as cursor:
-        yield cursor
-
-
 def _assigned_node(session_key: str) -> Node | None:
     """The session's node with its load now (not its stats, which can be large), and whether the session
     is cold there: one indexed read, on the hot path (a raw, prepared statement: a third of the ORM's cost)."""
-    with _prepared_cursor() as cursor:
+    with connection.cursor() as cursor:
         cursor.execute(
             """
             SELECT n.id, n.name, n.queue, n.status, n.capacity, n.sessions, n.work, n.kv_use, n.last_heartbeat,
@@ -455,7 +441,7 @@ def _place_new(session_key: str, node: Node, reason: str) -> tuple[bool, bool]:
     """Assign a session that has no node yet to `node` if it is still healthy, in one statement that writes
     the assignment alone (the node's heartbeat counts it). Returns whether the node was healthy, and whether
     the session was placed (not if it already has a node)."""
-    with _prepared_cursor() as cursor:
+    with connection.cursor() as cursor:
         cursor.execute(
             """
             WITH target AS (
