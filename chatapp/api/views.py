@@ -51,6 +51,16 @@ def _authenticate(request: HttpRequest) -> ApiKey:
     return row
 
 
+def _start(request: HttpRequest, parsed: ChatRequest) -> Turn:
+    """Authenticate and start the turn: one hop to a thread for both."""
+    return api_turn_start(
+        key=_authenticate(request),
+        request=parsed,
+        session_id=request.headers.get("X-Session-ID"),
+        strategy=request.headers.get("X-Memory-Strategy"),
+    )
+
+
 @csrf_exempt
 async def models(request: HttpRequest) -> HttpResponse:
     """The models some live node serves (a model whose nodes are all down is not offered)."""
@@ -75,13 +85,7 @@ async def chat_completions(request: HttpRequest) -> HttpResponse | StreamingHttp
             raise ApiError("Use POST.", status=405)
         parsed = parse_chat_request(_body(request))
         async with database_slot():
-            key = await sync_to_async(_authenticate)(request)
-            turn = await sync_to_async(api_turn_start)(
-                key=key,
-                request=parsed,
-                session_id=request.headers.get("X-Session-ID"),
-                strategy=request.headers.get("X-Memory-Strategy"),
-            )
+            turn = await sync_to_async(_start)(request, parsed)
         if parsed.stream:
             response = StreamingHttpResponse(
                 counted_stream("api", _chunks(turn, parsed)), content_type="text/event-stream"

@@ -12,7 +12,7 @@ IDS = [0, 1, 2, 198, 32_767, 32_768, 262_143, 2**31 - 1]
 
 
 def test_token_ids_read_back_exactly_through_create_save_update_and_bulk_create(db):
-    created = MessageFactory(role=Message.Role.ASSISTANT, token_ids=IDS)
+    created = MessageFactory.create(role=Message.Role.ASSISTANT, token_ids=IDS)
     assert Message.objects.get(pk=created.pk).token_ids == IDS
 
     created.token_ids = list(reversed(IDS))
@@ -31,7 +31,7 @@ def test_token_ids_read_back_exactly_through_create_save_update_and_bulk_create(
 
 
 def test_turn_prompt_ids_are_written_by_a_guarded_update(db):
-    message = MessageFactory()
+    message = MessageFactory.create()
     turn = Turn.objects.create(conversation=message.conversation, user_message=message)
     assert Turn.objects.filter(pk=turn.pk).update(prompt_token_ids=IDS * 300) == 1
     assert Turn.objects.get(pk=turn.pk).prompt_token_ids == IDS * 300
@@ -39,7 +39,7 @@ def test_turn_prompt_ids_are_written_by_a_guarded_update(db):
 
 @pytest.mark.parametrize("bad", [["1}"], ["1,2"], [None], ["'; DROP TABLE chatapp_turn; --"]])
 def test_anything_but_integers_is_refused_before_it_is_written(db, bad):
-    message = MessageFactory(role=Message.Role.ASSISTANT, token_ids=[7])
+    message = MessageFactory.create(role=Message.Role.ASSISTANT, token_ids=[7])
     with pytest.raises((ValueError, TypeError)), transaction.atomic():
         Message.objects.filter(pk=message.pk).update(token_ids=bad)
     assert Message.objects.get(pk=message.pk).token_ids == [7]
