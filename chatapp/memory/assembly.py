@@ -63,7 +63,7 @@ def _history(turn: Turn, model: str, *, with_own: bool = False) -> list[StoredMe
 
 
 def _context(turn: Turn, engine: "Engine", sampling: Sampling) -> MemoryContext:
-    """Everything the strategy may read, in five queries: it runs before every turn's first token."""
+    """Everything the strategy may read, in four queries: it runs before every turn's first token."""
     conversation = turn.conversation
     *history, new_message = _history(turn, engine.model, with_own=True)
     earlier = conversation.turns.filter(id__lt=turn.pk, status=Turn.Status.DONE).order_by("id")
