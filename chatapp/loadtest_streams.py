@@ -1,6 +1,6 @@
 """How many event streams the stack holds open at once: many browser readers on a few long replies, each
 a connection of its own to the web process, while Postgres's connections are counted. A waiting stream
-holds none (`turn_events.database_slot`), so Postgres's default 100 do not cap the readers."""
+holds none (`turn_events.in_database`), so Postgres's default 100 do not cap the readers."""
 
 import http.client
 import json

@@ -4,27 +4,20 @@ import json
 from collections.abc import AsyncGenerator
 
 import redis
-from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.http import Http404, HttpRequest, HttpResponse, StreamingHttpResponse
 
 from chatapp import selectors, streams
 from chatapp.metrics import counted_stream
 from chatapp.models import Turn
-from chatapp.turn_events import database_slot, follow_turn
+from chatapp.turn_events import follow_turn, in_database
 
 KEEPALIVE = ": keep-alive\n\n"
 
 
 async def turn_events(request: HttpRequest, conversation_id: int, turn_id: int) -> HttpResponse | StreamingHttpResponse:
     """The turn's events as SSE. A reconnect (Last-Event-ID) or `?after=` resumes after that entry."""
-    async with database_slot():
-        user = await request.auser()
-        if not user.is_authenticated:
-            raise Http404
-        turn: Turn = await sync_to_async(selectors.turn_get_for_user)(
-            user=user, conversation_id=conversation_id, turn_id=turn_id
-        )
+    turn = await in_database(_readable_turn, request, conversation_id, turn_id)
     after = request.headers.get("Last-Event-ID") or request.GET.get("after") or "0-0"
     if not streams.valid_entry_id(after):
         return HttpResponse("after must be a stream entry id", status=400)
@@ -39,6 +32,13 @@ async def turn_events(request: HttpRequest, conversation_id: int, turn_id: int) 
     response["Cache-Control"] = "no-cache"
     response["X-Accel-Buffering"] = "no"
     return response
+
+
+def _readable_turn(request: HttpRequest, conversation_id: int, turn_id: int) -> Turn:
+    """The turn, if the signed-in user may read it; else Http404."""
+    if not request.user.is_authenticated:
+        raise Http404
+    return selectors.turn_get_for_user(user=request.user, conversation_id=conversation_id, turn_id=turn_id)
 
 
 async def _events(turn: Turn, after: str) -> AsyncGenerator[str]:

@@ -5,8 +5,7 @@ is gone sent on or failed (`turns_reap`), so no reader waits on a node that will
 import asyncio
 import logging
 import weakref
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import redis
@@ -54,31 +53,30 @@ async def follow_turn(
 _slots: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore]" = weakref.WeakKeyDictionary()
 
 
-@asynccontextmanager
-async def database_slot() -> AsyncIterator[None]:
-    """A turn at the database for a streaming view (one of CHAT_STREAM_DB_SLOTS per web process); the
-    connection is closed when the slot is given back. A stream waiting on Redis then holds no connection,
-    and hundreds opening at once take turns instead of taking all of Postgres's connections."""
+async def in_database[T](work: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+    """`work(*args, **kwargs)` on a thread, holding one of CHAT_STREAM_DB_SLOTS turns at the database per
+    web process, and then the thread's connection closed (given back to the pool), in the same hop. A
+    stream waiting on Redis then holds no connection, and hundreds opening at once take turns instead of
+    taking all of Postgres's connections."""
     loop = asyncio.get_running_loop()
     if loop not in _slots:
         _slots[loop] = asyncio.Semaphore(settings.CHAT_STREAM_DB_SLOTS)
     async with _slots[loop]:
-        try:
-            yield
-        finally:
-            await sync_to_async(_close_connection)()
+        return await sync_to_async(_then_close)(work, args, kwargs)
 
 
-def _close_connection() -> None:
-    """Close the calling thread's connection (looked up in that thread, not the event loop's), unless it is
-    inside a transaction: a test's, whose client runs the view in-process."""
-    if not connection.in_atomic_block:
-        connection.close()
+def _then_close[T](work: Callable[..., T], args: tuple, kwargs: dict) -> T:
+    """Run `work`, then close this thread's connection, unless it is inside a transaction: a test's, whose
+    client runs the view in-process."""
+    try:
+        return work(*args, **kwargs)
+    finally:
+        if not connection.in_atomic_block:
+            connection.close()
 
 
 async def _finished(turn_id: int) -> Turn | None:
-    async with database_slot():
-        return await sync_to_async(_finished_now)(turn_id)
+    return await in_database(_finished_now, turn_id)
 
 
 def _finished_now(turn_id: int) -> Turn | None:

@@ -23,7 +23,7 @@ from chatapp.api.parsing import ChatRequest, parse_chat_request
 from chatapp.api.sessions import api_turn_start
 from chatapp.metrics import counted_stream
 from chatapp.models import ApiKey, Turn
-from chatapp.turn_events import database_slot, follow_turn
+from chatapp.turn_events import follow_turn, in_database
 from chatapp.turns.lifecycle import turn_cancel
 from router.services import served_models
 
@@ -84,8 +84,7 @@ async def chat_completions(request: HttpRequest) -> HttpResponse | StreamingHttp
         if request.method != "POST":
             raise ApiError("Use POST.", status=405)
         parsed = parse_chat_request(_body(request))
-        async with database_slot():
-            turn = await sync_to_async(_start)(request, parsed)
+        turn = await in_database(_start, request, parsed)
         if parsed.stream:
             response = StreamingHttpResponse(
                 counted_stream("api", _chunks(turn, parsed)), content_type="text/event-stream"
@@ -139,8 +138,7 @@ async def _events(turn: Turn, after: str = "0-0") -> AsyncIterator[dict]:
                 if event is not None:
                     yield event
     except TimeoutError:
-        async with database_slot():
-            await sync_to_async(turn_cancel)(turn=turn)
+        await in_database(turn_cancel, turn=turn)
         raise ApiError(
             f"The reply took longer than {limit} s and was cancelled.", status=504, type="server_error", code="timeout"
         ) from None
@@ -214,6 +212,5 @@ async def _chunks(turn: Turn, parsed: ChatRequest) -> AsyncGenerator[str]:
         yield f"data: {json.dumps({'error': exc.response_body()})}\n\n"
     finally:
         if not finished:  # the client went away: stop generating
-            async with database_slot():
-                await sync_to_async(turn_cancel)(turn=turn)
+            await in_database(turn_cancel, turn=turn)
     yield "data: [DONE]\n\n"
