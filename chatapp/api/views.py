@@ -187,7 +187,9 @@ async def _chunks(turn: Turn, parsed: ChatRequest) -> AsyncGenerator[str]:
     first_attempt: int | None = None
     try:
         yield chunk({"role": "assistant", "content": ""})
-        async for event in _events(turn, after=streams.latest_attempt_start(turn.stream_name)):
+        # A first attempt's stream starts with it: no read of the stream is needed to find where.
+        after = "0-0" if turn.attempt == 0 else streams.latest_attempt_start(turn.stream_name)
+        async for event in _events(turn, after=after):
             if event["type"] == "start":
                 first_attempt = event["attempt"] if first_attempt is None else first_attempt
                 if sent_text and event["attempt"] != first_attempt:
