@@ -10,7 +10,6 @@ import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 
-from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
@@ -25,7 +24,7 @@ from chatapp.metrics import counted_stream
 from chatapp.models import ApiKey, Turn
 from chatapp.turn_events import follow_turn, in_database
 from chatapp.turns.lifecycle import turn_cancel
-from router.services import served_models
+from router.services import ServedModel, served_models
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "stop"}
 RESTARTED = ApiError(
@@ -61,16 +60,21 @@ def _start(request: HttpRequest, parsed: ChatRequest) -> Turn:
     )
 
 
+def _served(request: HttpRequest) -> dict[str, ServedModel]:
+    """Authenticate, then the models served: one hop to a thread for both."""
+    _authenticate(request)
+    return served_models()
+
+
 @csrf_exempt
 async def models(request: HttpRequest) -> HttpResponse:
     """The models some live node serves (a model whose nodes are all down is not offered)."""
     try:
         if request.method != "GET":
             raise ApiError("Use GET.", status=405)
-        await sync_to_async(_authenticate)(request)
+        served = await in_database(_served, request)
     except ApiError as exc:
         return exc.response()
-    served = await sync_to_async(served_models)()
     data = [
         {"id": m.model, "object": "model", "created": 0, "owned_by": "chatapp", "max_model_len": m.n_ctx}
         for m in sorted(served.values(), key=lambda m: m.model)
