@@ -6,6 +6,7 @@ import os
 import threading
 import time
 from itertools import islice
+from pathlib import Path
 
 import pytest
 from django.core.management import CommandError, call_command
@@ -23,19 +24,24 @@ from chatapp.stack_bench import (
     summarise,
     thread_cpu_s,
 )
+from tests.conftest import start_web, stop_node
 from tests.factories import UserFactory
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_replay_through_the_stack_resends_history_and_reads_its_cache_hits(node, asgi_server, model_file):
+def test_a_replay_through_the_stack_resends_history_and_reads_its_cache_hits(node, test_database, model_file):
     user = UserFactory.create()
     quotas.grant_unlimited_use(user)
     _, key = api_key_create(owner=user, name="bench")
-    # The CPU counted is this process's: it certainly works during the replay (the node runs elsewhere).
-    server = Server("stack", asgi_server, model_file.name, (os.getpid(),), key=key, services=("postgres",))
-    conversations = list(islice(chitchat_conversations(min_messages=6), 2))
-
-    result = replay(server, conversations, turns=3, max_tokens=8, ignore_eos=True, tag="bench-test")
+    # The CPU counted is a web process's of its own: its event loop's thread lives and works for the whole replay
+    # (the client's threads, in this process, are gone when it is counted).
+    web, url = start_web(test_database, log_name="bench-web")
+    try:
+        server = Server("stack", url, model_file.name, (web.pid,), key=key, compute_threads=1, services=("postgres",))
+        conversations = list(islice(chitchat_conversations(min_messages=6), 2))
+        result = replay(server, conversations, turns=3, max_tokens=8, ignore_eos=True, tag="bench-test")
+    finally:
+        stop_node(web)
 
     assert result.errors == []
     assert len(result.ttft_ms) == 6 and result.completion_tokens == 6 * 8
@@ -43,7 +49,7 @@ def test_a_replay_through_the_stack_resends_history_and_reads_its_cache_hits(nod
     assert 0.3 < result.cached_tokens / result.prompt_tokens < 1
     figures = result.figures()
     assert figures["cpu_ms_per_token"] > 0 and figures["wall_s"] > 0
-    # The busiest threads' share is never empty; the rest (other threads, Postgres) may round to no clock tick
+    # The busiest thread's share is never empty; the rest (other threads, Postgres) may round to no clock tick
     # in so short a replay.
     assert figures["compute_cpu_ms_per_token"] > 0 and figures["other_cpu_ms_per_token"] >= 0
     split = figures["compute_cpu_ms_per_token"] + figures["other_cpu_ms_per_token"]
@@ -115,6 +121,10 @@ def test_cpu_is_counted_per_thread_per_process_and_for_services_by_name(django_d
     ended = threading.Thread(target=burn_then_wait)
     ended.start()
     ended.join()
+    # join() returns once Python is done with the thread, a moment before the kernel's thread is gone.
+    deadline = time.monotonic() + 5
+    while Path(f"/proc/self/task/{ended.native_id}").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert process_cpu_s([os.getpid()]) - process_before >= 0.25
     assert sum(thread_cpu_s([os.getpid()]).values()) - threads_before < 0.1
 
