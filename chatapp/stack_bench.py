@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 
 from chatapp.chat_stream_client import read_chat_stream
 from chatapp.experiments.report import percentile
-from inference.benchmark import paired, run_parallel
+from inference.benchmark import alternating, paired, run_parallel
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 Figures = list[dict[str, float]]  # one replay's figures per repeat
@@ -244,7 +244,7 @@ def compare(
             if len(chosen) < scenario.sessions:
                 raise ValueError(f"Only {len(conversations)} conversations are long enough for this benchmark.")
             offset += scenario.sessions
-            for server in (ours, theirs) if r % 2 == 0 else (theirs, ours):
+            for server in alternating(ours, theirs, r):
                 progress(f"repeat {r + 1}/{repeats}, {scenario.label}: {server.name}")
                 tag = f"bench-{run}-{r}-{scenario.label}"
                 replayed = replay(
