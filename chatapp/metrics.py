@@ -10,7 +10,6 @@ scraped, and every node is in them:
 
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
-from contextlib import contextmanager
 
 import redis
 from django.db.models import Count
@@ -28,33 +27,35 @@ COUNTERS_KEY = "metrics:counters"
 
 
 def count(name: str, label: str, by: int = 1) -> None:
-    """Add `by` to the shared counter `name` with `label` (turns_total by status, api_errors_total by code,
-    open_streams)."""
+    """Add `by` to the shared counter `name` with `label` (turns_total by status, api_errors_total by code;
+    open_streams is counted from the event loop, by `counted_stream`)."""
     try:
         streams.client().hincrby(COUNTERS_KEY, f"{name}:{label}", by)
     except redis.RedisError as exc:
         logger.warning("metric %s{%s} not counted: %s", name, label, exc)
 
 
-@contextmanager
-def open_stream(kind: str) -> Iterator[None]:
-    """Count an event stream as open while the block runs."""
-    count("open_streams", kind)
-    try:
-        yield
-    finally:
-        count("open_streams", kind, -1)
-
-
 async def counted_stream(kind: str, events: AsyncGenerator[str]) -> AsyncIterator[str]:
     """`events`, counted as an open stream until it ends or the client goes away (then `events` is closed
-    at once, so its own clean-up runs)."""
-    with open_stream(kind):
+    at once, so its own clean-up runs). The counts go through the event loop's own Redis client: a sync
+    round trip here would stall every stream this process serves."""
+    await _count_async("open_streams", kind)
+    try:
+        async for item in events:
+            yield item
+    finally:
         try:
-            async for item in events:
-                yield item
-        finally:
             await events.aclose()
+        finally:
+            await _count_async("open_streams", kind, -1)
+
+
+async def _count_async(name: str, label: str, by: int = 1) -> None:
+    """`count`, from the event loop."""
+    try:
+        await streams.async_client().hincrby(COUNTERS_KEY, f"{name}:{label}", by)
+    except redis.RedisError as exc:
+        logger.warning("metric %s{%s} not counted: %s", name, label, exc)
 
 
 def _shared_counters() -> dict[tuple[str, str], int]:

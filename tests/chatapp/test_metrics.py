@@ -1,13 +1,17 @@
 """/metrics in Prometheus' text format, from shared state (any web worker gives the same figures), and
 the health probes. The counters are checked against a real turn on a real node."""
 
+import http.client
 import json
 import time
+from urllib.parse import urlsplit
 
 import pytest
+from django.conf import settings
 from django.urls import reverse
 from prometheus_client.parser import text_string_to_metric_families
 
+from chatapp.api.keys import api_key_create
 from chatapp.models import Turn
 from chatapp.turns import admission
 from router.models import AssignmentMove, Node
@@ -94,3 +98,26 @@ def test_readyz_fails_without_redis(client, node, settings):
     settings.REDIS_URL = "redis://127.0.0.1:1/0"  # nothing listens there: the probe's connection is refused
     down = client.get("/readyz")
     assert down.status_code == 503 and down.json()["redis"].startswith("failing") and down.json()["postgres"] == "ok"
+
+
+def test_an_api_stream_is_counted_open_until_its_client_goes_away(client, node, user, asgi_server):
+    _, key = api_key_create(owner=user, name="metrics")
+    opened = ("chat_open_streams", (("kind", "api"),))
+    before = scrape(client).get(opened, 0)
+    body = {
+        "model": settings.CHAT_DEFAULT_MODEL,
+        "messages": [{"role": "user", "content": "Tell me a long story."}],
+        "stream": True,
+        "max_tokens": 256,
+        "ignore_eos": True,
+    }
+    connection = http.client.HTTPConnection(urlsplit(asgi_server).hostname, urlsplit(asgi_server).port, timeout=60)
+    headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    connection.request("POST", "/v1/chat/completions", body=json.dumps(body), headers=headers)
+    response = connection.getresponse()
+    assert response.status == 200 and response.readline().startswith(b"data: ")  # the stream is open
+    assert scrape(client)[opened] == before + 1
+    connection.close()  # the client goes away mid-reply
+    wait_until(lambda: scrape(client)[opened] == before, 10, "the stream to be counted closed")
+    turn = Turn.objects.latest("id")
+    wait_until(lambda: Turn.objects.get(pk=turn.pk).status == Turn.Status.CANCELLED, 10, "the turn to be cancelled")
