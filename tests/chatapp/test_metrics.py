@@ -111,7 +111,8 @@ def test_an_api_stream_is_counted_open_until_its_client_goes_away(client, node, 
         "max_tokens": 256,
         "ignore_eos": True,
     }
-    connection = http.client.HTTPConnection(urlsplit(asgi_server).hostname, urlsplit(asgi_server).port, timeout=60)
+    server = urlsplit(asgi_server)
+    connection = http.client.HTTPConnection(server.hostname, server.port, timeout=60)
     headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
     connection.request("POST", "/v1/chat/completions", body=json.dumps(body), headers=headers)
     response = connection.getresponse()
