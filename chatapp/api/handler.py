@@ -10,12 +10,13 @@ ALLOWED_HOSTS check, from Django's own middleware, whose hooks here run on the e
 settings and the request and set headers.
 """
 
-from django.core.handlers.asgi import ASGIHandler
 from django.core.handlers.exception import convert_exception_to_response
 from django.http import HttpRequest, HttpResponseBase
 from django.middleware.common import CommonMiddleware
 from django.middleware.security import SecurityMiddleware
 from django.utils.deprecation import MiddlewareMixin
+
+from chatapp.request_threads import ThreadReusingHandler
 
 API_PREFIX = "/v1/"
 
@@ -40,9 +41,9 @@ class ApiCommonMiddleware(_OnTheLoop, CommonMiddleware):
 API_MIDDLEWARE = (ApiSecurityMiddleware, ApiCommonMiddleware)  # outermost first, as settings.MIDDLEWARE
 
 
-class ApiHandler(ASGIHandler):
-    """Django's ASGI handler with API_MIDDLEWARE instead of settings.MIDDLEWARE (all async, no view,
-    template-response or exception hooks)."""
+class ApiHandler(ThreadReusingHandler):
+    """Django's ASGI handler (its request threads reused) with API_MIDDLEWARE instead of settings.MIDDLEWARE
+    (all async, no view, template-response or exception hooks)."""
 
     def load_middleware(self, is_async: bool = True) -> None:
         self._view_middleware: list = []

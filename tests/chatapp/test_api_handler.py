@@ -1,20 +1,28 @@
 """The API's own handler: `/v1/` skips the browser's middleware and its thread hops, and keeps the security
-headers, the HTTPS redirect and the ALLOWED_HOSTS check."""
+headers, the HTTPS redirect and the ALLOWED_HOSTS check. Both handlers lend each request a thread that later
+requests reuse."""
 
 import asyncio
 import json
+import threading
 import urllib.error
 import urllib.request
 
 import pytest
 from asgiref.sync import SyncToAsync
 from django.core.handlers.asgi import ASGIHandler
+from django.core.signals import request_started
 
 from chatapp.api.handler import ApiHandler
+from chatapp.request_threads import RequestThreads, ThreadReusingHandler
 
 
 def call(app, path: str, *, method: str = "POST", scheme: str = "http", host: str = "127.0.0.1") -> tuple[dict, bytes]:
     """One request through an ASGI application, in this process: (response start message, body)."""
+    return asyncio.run(call_async(app, path, method=method, scheme=scheme, host=host))
+
+
+async def call_async(app, path: str, *, method: str, scheme: str = "http", host: str = "127.0.0.1") -> tuple:
     scope = {
         "type": "http",
         "asgi": {"version": "3.0"},
@@ -30,23 +38,19 @@ def call(app, path: str, *, method: str = "POST", scheme: str = "http", host: st
         "server": ("127.0.0.1", 80),
     }
     messages: list[dict] = []
+    received = asyncio.Event()
 
-    async def run() -> None:
-        received = asyncio.Event()
+    async def receive() -> dict:
+        if not received.is_set():
+            received.set()
+            return {"type": "http.request", "body": b"", "more_body": False}
+        await asyncio.Event().wait()  # the client stays connected
+        return {}
 
-        async def receive() -> dict:
-            if not received.is_set():
-                received.set()
-                return {"type": "http.request", "body": b"", "more_body": False}
-            await asyncio.Event().wait()  # the client stays connected
-            return {}
+    async def send(message: dict) -> None:
+        messages.append(message)
 
-        async def send(message: dict) -> None:
-            messages.append(message)
-
-        await app(scope, receive, send)
-
-    asyncio.run(run())
+    await app(scope, receive, send)
     return messages[0], b"".join(m.get("body", b"") for m in messages[1:])
 
 
@@ -103,3 +107,61 @@ def test_the_served_application_routes_the_api_and_the_pages_apart(asgi_server):
     assert api["Set-Cookie"] is None and api["Content-Security-Policy"] is None  # no browser middleware
     with urllib.request.urlopen(f"{asgi_server}/login/", timeout=10) as page:
         assert page.headers["Content-Security-Policy"] and "csrftoken" in page.headers["Set-Cookie"]
+
+
+def request_threads(requests) -> list[threading.Thread]:
+    """The threads that ran each request's sync work (Django's request_started receivers)."""
+    threads: list[threading.Thread] = []
+
+    def record(**kwargs) -> None:
+        threads.append(threading.current_thread())
+
+    request_started.connect(record)
+    try:
+        requests()
+    finally:
+        request_started.disconnect(record)
+    return threads
+
+
+@pytest.mark.parametrize("handler", [ApiHandler, ThreadReusingHandler])
+def test_later_requests_reuse_a_request_thread(handler):
+    app = handler()
+    reused = request_threads(lambda: [call(app, "/v1/models") for _ in range(3)])
+    assert len(reused) == 3 and len(set(reused)) == 1 and reused[0] is not threading.current_thread()
+    stock = ASGIHandler()
+    started = request_threads(lambda: [call(stock, "/v1/models") for _ in range(3)])
+    assert len(set(started)) == 3  # Django's own handler starts (and joins) a thread for each request
+
+
+def test_requests_in_flight_together_each_have_a_thread():
+    app = ThreadReusingHandler()
+    threads: list[threading.Thread] = []
+    both = threading.Barrier(2, timeout=10)
+
+    def meet(**kwargs) -> None:
+        threads.append(threading.current_thread())
+        both.wait()  # returns once the other request's thread is here too: never, were they one thread
+
+    async def two() -> None:
+        await asyncio.gather(*(call_async(app, "/v1/models", method="POST") for _ in range(2)))
+
+    request_started.connect(meet)
+    try:
+        asyncio.run(two())
+    finally:
+        request_started.disconnect(meet)
+    assert len(set(threads)) == 2 and len(app.threads.idle) == 2
+
+
+def test_idle_request_threads_beyond_the_kept_number_end():
+    threads = RequestThreads(keep=1)
+    lent = [threads.lend() for _ in range(3)]
+    assert len({id(executor) for executor in lent}) == 3
+    for executor in lent:
+        executor.submit(lambda: None).result()
+        threads.give_back(executor)
+    assert threads.idle == [lent[0]]
+    with pytest.raises(RuntimeError):  # shut down
+        lent[2].submit(lambda: None)
+    assert threads.lend() is lent[0]
