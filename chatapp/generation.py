@@ -67,18 +67,22 @@ class _TokenStream:
     """The attempt's tokens onto its stream (through the node's `stream_writer`, batched with the other
     replies' tokens), until a later attempt owns the stream or a reader asks the turn to stop.
 
-    Each append also answers whether a stop was asked, so while tokens flow the engine's polls for a stop
-    (every `inference.batch_engine.CANCEL_POLL_S`) cost no read of Redis; until the first answer, and in a
-    pause of over ANSWER_FRESH_S, each poll reads the flag."""
+    Each append also answers whether a stop was asked, and the next piece of text passes that answer to
+    the engine, so while tokens flow a stop costs no read of Redis. Until the first answer, and in a pause
+    of over ANSWER_FRESH_S, the waiting thread's polls (`should_stop`) read the flag."""
 
     def __init__(self, turn: Turn) -> None:
         self.turn = turn
         self.appends = stream_writer.Appends(turn.stream_name, turn.attempt)
         self.stop_read = False
 
-    def publish(self, text: str) -> None:
-        if self.appends.answer is not streams.Appended.SUPERSEDED:
-            stream_writer.writer().append(self.appends, {"type": "token", "text": text})
+    def publish(self, text: str) -> bool:
+        """On the engine thread: queue the text for the stream; False once an answer said to stop."""
+        answer = self.appends.answer
+        if answer is streams.Appended.SUPERSEDED:
+            return False
+        stream_writer.writer().append(self.appends, {"type": "token", "text": text})
+        return answer is not streams.Appended.STOP_ASKED
 
     def should_stop(self) -> bool:
         answer = self.appends.answer

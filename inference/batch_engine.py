@@ -4,8 +4,9 @@ One engine thread owns the context. Each step the scheduler (`inference.schedule
 `llama_decode` batch from every running sequence: one token for each that is decoding, then prefill
 chunks under the step's token budget (chunked prefill, so a long prompt never stalls the others); the
 engine decodes it and samples. A finished sequence leaves and a waiting request joins at the next step
-(iteration-level scheduling, Orca, OSDI '22). Requests come from any thread through `submit`; results go
-back through each request's event queue, and the calling thread passes text on, off the engine's loop.
+(iteration-level scheduling, Orca, OSDI '22). Requests come from any thread through `submit`. Text goes to
+each request's `on_text` from the engine thread as soon as it is sampled; the result (or an error) goes
+back through the request's event queue to the waiting caller.
 """
 
 import logging
@@ -16,7 +17,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 from inference.chat_format import chat_format_for_model
 from inference.config import EngineConfig
@@ -31,24 +31,12 @@ from inference.types import FinishReason, Generation, NodeStats, Sampling, check
 
 logger = logging.getLogger(__name__)
 
-# How often a waiting caller polls its `should_stop` (a Redis read for a turn).
+# How often a waiting caller polls its `should_stop` (a Redis read for a turn) until its first token, and
+# after it: while text flows, each `on_text` answer carries a stop, so the polls only cover a long pause.
 CANCEL_POLL_S = 0.1
+STREAMING_POLL_S = 0.5
 # How often the engine looks for an idle session to write to the disk tier.
 WRITE_BEHIND_INTERVAL_S = 0.2
-
-
-def _with_queued_text(events: queue.SimpleQueue, text: str) -> tuple[str, tuple[str | None, Any]]:
-    """`text` and every text event already queued behind it, as one piece (a caller that fell behind
-    streams once, not once a token), and the next event of another kind if one is queued."""
-    pieces = [text]
-    while True:
-        try:
-            kind, payload = events.get_nowait()
-        except queue.Empty:
-            return "".join(pieces), (None, None)
-        if kind != "text":
-            return "".join(pieces), (kind, payload)
-        pieces.append(payload)
 
 
 class BatchEngine:
@@ -96,15 +84,22 @@ class BatchEngine:
         )
 
     def submit(
-        self, *, session_key: str, prompt: Sequence[int], sampling: Sampling, cancelled: bool = False
+        self,
+        *,
+        session_key: str,
+        prompt: Sequence[int],
+        sampling: Sampling,
+        cancelled: bool = False,
+        on_text: Callable[[str], bool] | None = None,
     ) -> Request:
-        """Queue a request for the engine thread; `cancelled` queues it already stopped (it ends at admission)."""
+        """Queue a request for the engine thread; `cancelled` queues it already stopped (it ends at admission).
+        `on_text` is as in `generate`."""
         check_fits(len(prompt), sampling.max_tokens, self.n_ctx)
         if not prompt:
             raise ValueError("The prompt is empty.")
         if self.disk is not None and not cancelled and not self.sessions.holds(session_key):
             self.disk.prefetch(session_key)  # the file is read here, off the engine thread
-        request = Request(session_key=session_key, prompt=list(prompt), sampling=sampling)
+        request = Request(session_key=session_key, prompt=list(prompt), sampling=sampling, on_text=on_text)
         if cancelled:
             request.cancel()
         self._inbox.put(request)
@@ -116,30 +111,31 @@ class BatchEngine:
         session_key: str,
         prompt: Sequence[int],
         sampling: Sampling,
-        on_text: Callable[[str], None] | None = None,
+        on_text: Callable[[str], bool] | None = None,
         should_stop: Callable[[], bool] | None = None,
     ) -> Generation:
-        """Submit and wait: text pieces go to `on_text` from the calling thread, off the engine's loop."""
+        """Submit and wait for the result.
+
+        `on_text` gets each piece of the reply as it is sampled, on the engine thread: it must be quick and
+        never block, and it answers whether to go on (False stops the request at the next step). Handing
+        text over there costs no wake-up of the waiting thread per token. `should_stop` is polled from the
+        waiting thread (it may block): every CANCEL_POLL_S until the first token, then every STREAMING_POLL_S.
+        """
         stopped = bool(should_stop and should_stop())
-        request = self.submit(session_key=session_key, prompt=prompt, sampling=sampling, cancelled=stopped)
-        next_poll = time.monotonic() + CANCEL_POLL_S
+        request = self.submit(
+            session_key=session_key, prompt=prompt, sampling=sampling, cancelled=stopped, on_text=on_text
+        )
         while True:
-            if should_stop and not request.cancelled.is_set() and time.monotonic() >= next_poll:
-                if should_stop():
-                    request.cancel()
-                next_poll = time.monotonic() + CANCEL_POLL_S
+            poll = STREAMING_POLL_S if request.first_token_at else CANCEL_POLL_S
             try:
-                kind, payload = request.events.get(timeout=CANCEL_POLL_S)
+                kind, payload = request.events.get(timeout=poll if should_stop else None)
             except queue.Empty:
+                if should_stop and not request.cancelled.is_set() and should_stop():
+                    request.cancel()
                 continue
-            if kind == "text":
-                text, (kind, payload) = _with_queued_text(request.events, payload)
-                if on_text:
-                    on_text(text)
             if kind == "done":
                 return payload
-            if kind == "error":
-                raise payload
+            raise payload  # "error"
 
     def stats(self) -> NodeStats:
         return self._stats
@@ -270,9 +266,8 @@ class BatchEngine:
             return
         request.generated.append(token)
         request.last_token = token
-        text = request.text.add(self.runtime.piece(token))
-        if text:
-            request.events.put(("text", text))
+        if text := request.text.add(self.runtime.piece(token)):
+            self._emit(request, text)
         if request.text.stopped:
             del request.generated[request.text.kept_tokens :]
             self._finish(request, "stop")
@@ -286,9 +281,22 @@ class BatchEngine:
         if request.last_token is None:
             self.scheduler.release(request)
 
+    def _emit(self, request: Request, text: str) -> None:
+        """The text to the request's `on_text`; a False answer stops it, an exception fails it."""
+        if request.on_text is None:
+            return
+        try:
+            go_on = request.on_text(text)
+        except Exception as exc:
+            request.on_text = None  # nothing more to a callback that failed
+            request.events.put(("error", exc))  # its caller raises it and stops waiting
+            go_on = False
+        if go_on is False:
+            request.cancel()
+
     def _hand_back(self, request: Request, reason: FinishReason) -> None:
         if request.text is not None and (tail := request.text.finish()):
-            request.events.put(("text", tail))
+            self._emit(request, tail)
         generation = self._generation(request, reason)
         self.metrics.observe(generation)
         request.events.put(("done", generation))

@@ -32,7 +32,7 @@ class Engine(Protocol):
         session_key: str,
         prompt: Sequence[int],
         sampling: Sampling,
-        on_text: Callable[[str], None] | None = None,
+        on_text: Callable[[str], bool] | None = None,
         should_stop: Callable[[], bool] | None = None,
     ) -> Generation: ...
 

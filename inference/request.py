@@ -3,6 +3,7 @@
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -27,7 +28,8 @@ class Request:
     session_key: str
     prompt: list[int]
     sampling: Sampling
-    events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # ("text" | "done" | "error", payload)
+    on_text: Callable[[str], bool] | None = None  # called on the engine thread (BatchEngine.generate)
+    events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # ("done" | "error", payload)
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted_at: float = field(default_factory=time.perf_counter)
     # Engine-thread state.

@@ -128,19 +128,19 @@ def test_more_sessions_than_fit_all_complete_and_come_back_with_their_cache(engi
 def test_cancel_stops_within_a_few_steps_and_the_node_stays_healthy(engine):
     long = Sampling(max_tokens=400, temperature=0.8, top_p=0.95, repeat_penalty=1.1, seed=7)
     pieces: list[str] = []
-    stop = threading.Event()
+    on_engine_thread = []
 
-    def on_text(text: str) -> None:
+    def on_text(text: str) -> bool:
         pieces.append(text)
-        if len(pieces) >= 3:
-            stop.set()
+        on_engine_thread.append(threading.current_thread().name == "engine")
+        return len(pieces) < 3  # the third piece's answer stops it
 
     prompt = _prompt(engine, ChatMessage("user", "Tell me a very long story about the sea."))
-    result = engine.generate(
-        session_key="cancel", prompt=prompt, sampling=long, on_text=on_text, should_stop=stop.is_set
-    )
+    result = engine.generate(session_key="cancel", prompt=prompt, sampling=long, on_text=on_text)
     assert result.finish_reason == "cancelled"
-    assert 3 <= len(result.token_ids) < 3 + 20
+    assert all(on_engine_thread)
+    assert 3 <= len(result.token_ids) < 3 + 4  # stopped at the next step (a piece may hold a few tokens)
+    assert "".join(pieces) == result.text
     after = engine.generate(
         session_key="cancel-after", prompt=_prompt(engine, ChatMessage("user", "Hi")), sampling=GREEDY
     )
@@ -149,6 +149,19 @@ def test_cancel_stops_within_a_few_steps_and_the_node_stays_healthy(engine):
     while engine.stats().running and time.monotonic() < deadline:
         time.sleep(0.01)
     assert engine.stats().running == 0
+
+
+def test_a_failing_text_callback_fails_its_request_only(engine):
+    def on_text(text: str) -> bool:
+        raise ConnectionError("the stream is gone")
+
+    prompt = _prompt(engine, ChatMessage("user", "Say something."))
+    with pytest.raises(ConnectionError, match="the stream is gone"):
+        engine.generate(session_key="failing-callback", prompt=prompt, sampling=GREEDY, on_text=on_text)
+    after = engine.generate(
+        session_key="after-failing", prompt=_prompt(engine, ChatMessage("user", "Hi")), sampling=GREEDY
+    )
+    assert after.finish_reason in {"stop", "length"} and after.token_ids
 
 
 def test_stop_strings_end_the_reply_and_keep_text_and_tokens_in_step(engine):
