@@ -79,14 +79,13 @@ class _TokenStream:
     def publish(self, text: str) -> bool:
         """On the engine thread: queue the text for the stream; False once an answer said to stop."""
         answer = self.appends.answer
-        if answer is streams.Appended.SUPERSEDED:
-            return False
-        stream_writer.writer().append(self.appends, {"type": "token", "text": text})
-        return answer is not streams.Appended.STOP_ASKED
+        if answer is not streams.Appended.SUPERSEDED:
+            stream_writer.writer().append(self.appends, {"type": "token", "text": text})
+        return not _says_stop(answer)
 
     def should_stop(self) -> bool:
         answer = self.appends.answer
-        if answer is streams.Appended.SUPERSEDED or answer is streams.Appended.STOP_ASKED or self.stop_read:
+        if _says_stop(answer) or self.stop_read:
             return True
         if answer is None or time.monotonic() - self.appends.answered_at >= ANSWER_FRESH_S:
             self.stop_read = streams.cancel_requested(self.turn.stream_name)
@@ -96,6 +95,11 @@ class _TokenStream:
         """Until the tokens are on the stream, so that the turn's end (or error) event comes after them."""
         if not self.appends.wait_written():
             logger.warning("turn %s: tokens still not streamed after %ss", self.turn.pk, stream_writer.FLUSH_TIMEOUT_S)
+
+
+def _says_stop(answer: streams.Appended | None) -> bool:
+    """An append's answer that ends the attempt: a later attempt owns the stream, or a stop was asked."""
+    return answer is streams.Appended.SUPERSEDED or answer is streams.Appended.STOP_ASKED
 
 
 def _summarize_after(*, turn: Turn, engine: "Engine") -> None:

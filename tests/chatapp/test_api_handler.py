@@ -22,7 +22,9 @@ def call(app, path: str, *, method: str = "POST", scheme: str = "http", host: st
     return asyncio.run(call_async(app, path, method=method, scheme=scheme, host=host))
 
 
-async def call_async(app, path: str, *, method: str, scheme: str = "http", host: str = "127.0.0.1") -> tuple:
+async def call_async(
+    app, path: str, *, method: str = "POST", scheme: str = "http", host: str = "127.0.0.1"
+) -> tuple[dict, bytes]:
     scope = {
         "type": "http",
         "asgi": {"version": "3.0"},
@@ -144,7 +146,7 @@ def test_requests_in_flight_together_each_have_a_thread():
         both.wait()  # returns once the other request's thread is here too: never, were they one thread
 
     async def two() -> None:
-        await asyncio.gather(*(call_async(app, "/v1/models", method="POST") for _ in range(2)))
+        await asyncio.gather(*(call_async(app, "/v1/models") for _ in range(2)))
 
     request_started.connect(meet)
     try:
