@@ -5,6 +5,7 @@ from collections.abc import Callable
 from typing import Any
 
 from chatapp.models import Turn
+from inference.types import Generation
 from router.models import Node
 from tests.conftest import NODE_ENV
 
@@ -37,3 +38,19 @@ def wait_for_turn(turn: Turn, timeout: float = 120) -> Turn:
             return turn
         time.sleep(0.2)
     raise AssertionError(f"turn {turn.pk} still {turn.status} after {timeout}s")
+
+
+def generation(text: str = "Hi there.") -> Generation:
+    """What an engine returns for a short reply."""
+    return Generation(
+        text=text,
+        token_ids=[1, 2, 3],
+        finish_reason="stop",
+        prompt_tokens=10,
+        cached_tokens=0,
+        cache_source="none",
+        queue_ms=0.0,
+        prefill_ms=1.0,
+        ttft_ms=1.0,
+        decode_tokens_per_s=10.0,
+    )

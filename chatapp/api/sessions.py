@@ -83,7 +83,7 @@ def api_turn_start(*, key: ApiKey, request: ChatRequest, session_id: str | None,
             if strategy:
                 services.conversation_set_strategy(conversation=conversation, strategy=strategy)
             return admission.turn_start(
-                conversation=conversation, text=new_text, sampling=request.sampling, api_key=key, reaped=True
+                conversation=conversation, text=new_text, sampling=request.sampling, api_key=key, locked=True
             )
     except TurnRejected as exc:
         raise api_error(exc) from exc

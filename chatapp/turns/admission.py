@@ -96,51 +96,69 @@ def turn_start(
     sampling: dict | None = None,
     policy: str | None = None,
     api_key: ApiKey | None = None,
-    reaped: bool = False,
+    locked: bool = False,
 ) -> Turn:
     """Store the user's message and its queued turn; its task is queued once both are durable.
 
     Every check runs before anything is written: the text, its size, one reply at a time, the user's
-    quotas, a node to run it and room in that node's queue. Called inside a caller's transaction (an API
-    request that stores resent history first), a refusal rolls that back too. `sampling` overrides the
-    node's defaults (fields of inference.types.Sampling); `policy` is a routing policy alias; `api_key` is
-    the key an API request came with (its own limits apply as well as its owner's); `reaped`: the caller
-    has already run `reap_unfinished` over the conversation's turns, before its own transaction.
+    quotas, a node to run it and room in that node's queue. `sampling` overrides the node's defaults
+    (fields of inference.types.Sampling); `policy` is a routing policy alias; `api_key` is the key an API
+    request came with (its own limits apply as well as its owner's).
+
+    `locked`: the caller's transaction already holds the conversation's row lock (or created the row), and
+    the caller ran `reap_unfinished` over its turns before that transaction (an API request, which stores
+    the resent history first). The turn then starts in that transaction, and a refusal rolls it all back.
+    Otherwise the turn starts in a transaction of its own.
     """
     text = check_message_text(text)
-    if not reaped:
+    if not locked:
         reap_unfinished(conversation.turns.all())
     served = check_message_fits(text, model=conversation.model)
+    if locked:
+        return _start_locked(conversation, text, served, sampling=sampling, policy=policy, api_key=api_key)
     with transaction.atomic():
         conversation = Conversation.objects.select_for_update().get(pk=conversation.pk)
-        if conversation.turns.exclude(status__in=Turn.FINISHED).exists():
-            raise ReplyInProgress("A reply is still being written; wait for it or stop it first.")
-        quotas.check_new_turn(user_id=conversation.owner_id, api_key_id=api_key.pk if api_key else None)
-        hints = route_hints(conversation, served)
-        try:
-            node = session_node(
-                session_key=conversation.session_key,
-                policy=policy,
-                model=conversation.model,
-                cold=hints.cold,
-                new=hints.new,
-            )
-        except NoHealthyNode as exc:
-            raise NoNodeUp(str(exc)) from exc
-        unfinished = Turn.objects.filter(node=node.name).exclude(status__in=Turn.FINISHED).count()
-        if unfinished >= node.capacity * settings.CHAT_QUEUE_PER_SLOT:
-            raise NodeBusy(f"The model is busy ({unfinished} replies queued); try again in a few seconds.")
-        user_message = Message.objects.create(conversation=conversation, role=Message.Role.USER, content=text)
-        turn = turn_create(
-            conversation=conversation,
-            user_message=user_message,
-            node=node.name,
-            sampling=sampling or {},
-            api_key=api_key,
+        return _start_locked(conversation, text, served, sampling=sampling, policy=policy, api_key=api_key)
+
+
+def _start_locked(
+    conversation: Conversation,
+    text: str,
+    served: ServedModel,
+    *,
+    sampling: dict | None,
+    policy: str | None,
+    api_key: ApiKey | None,
+) -> Turn:
+    """The checks and the writes of `turn_start` that need the conversation's row lock."""
+    if conversation.turns.exclude(status__in=Turn.FINISHED).exists():
+        raise ReplyInProgress("A reply is still being written; wait for it or stop it first.")
+    quotas.check_new_turn(user_id=conversation.owner_id, api_key_id=api_key.pk if api_key else None)
+    hints = route_hints(conversation, served)
+    try:
+        node = session_node(
+            session_key=conversation.session_key,
+            policy=policy,
+            model=conversation.model,
+            cold=hints.cold,
+            new=hints.new,
         )
-        if remembered := _REMEMBER.match(text):  # "remember that ..." also saves a fact
-            fact_save(owner=conversation.owner, text=remembered["fact"])
-        if not conversation.title:
-            conversation.title = text.splitlines()[0][:60]
-        conversation.save(update_fields=["title", "updated_at"])
+    except NoHealthyNode as exc:
+        raise NoNodeUp(str(exc)) from exc
+    unfinished = Turn.objects.filter(node=node.name).exclude(status__in=Turn.FINISHED).count()
+    if unfinished >= node.capacity * settings.CHAT_QUEUE_PER_SLOT:
+        raise NodeBusy(f"The model is busy ({unfinished} replies queued); try again in a few seconds.")
+    user_message = Message.objects.create(conversation=conversation, role=Message.Role.USER, content=text)
+    turn = turn_create(
+        conversation=conversation,
+        user_message=user_message,
+        node=node.name,
+        sampling=sampling or {},
+        api_key=api_key,
+    )
+    if remembered := _REMEMBER.match(text):  # "remember that ..." also saves a fact
+        fact_save(owner=conversation.owner, text=remembered["fact"])
+    if not conversation.title:
+        conversation.title = text.splitlines()[0][:60]
+    conversation.save(update_fields=["title", "updated_at"])
     return turn

@@ -8,6 +8,7 @@ from django.utils import timezone
 from chatapp.api.keys import LAST_USED_RESOLUTION, api_key_create, api_key_find
 from chatapp.models import ApiKey, Message, Turn
 from chatapp.turns import lifecycle
+from tests.helpers import generation
 
 URL = "/v1/chat/completions"
 MODEL = "smollm2-135m-instruct"  # the default model, which the idle node serves
@@ -222,3 +223,24 @@ def test_the_same_request_sent_again_is_answered_by_its_turn_not_stored_twice(cl
     turn.refresh_from_db()
     assert (Turn.objects.count(), turn.status, turn.attempt) == (1, Turn.Status.QUEUED, 1)  # retried, not doubled
     assert stored() == [("user", "Hello?")]
+
+
+def test_a_follow_up_turn_starts_in_one_transaction_that_locks_its_conversation_once(
+    client, auth, idle_node, django_assert_num_queries
+):
+    """Every turn's request runs these statements before its first token: one more is a decision, not an accident."""
+    messages = [{"role": "user", "content": "Hello?"}]
+    body = {"model": MODEL, "stream": True, "messages": messages}
+    assert post(client, body, **auth, HTTP_X_SESSION_ID="counted").status_code == 200
+    turn = lifecycle.turn_claim(turn_id=Turn.objects.get().pk, attempt=0, node=idle_node.name, incarnation="a")
+    assert turn is not None and lifecycle.turn_finish(turn=turn, generation=generation("Hi."))
+    messages += [{"role": "assistant", "content": "Hi."}, {"role": "user", "content": "How are you?"}]
+    # The key; the session's unfinished turns (reaped); then in one transaction (here a savepoint and its
+    # release): the conversation locked, its latest turn (sent again?), its stored messages, the models
+    # served, a reply in progress?, 4 for the quotas, the previous turn's route hints, the session's node,
+    # that node's queue, the message, the turn, the conversation's update time.
+    with django_assert_num_queries(19) as captured:
+        assert post(client, body, **auth, HTTP_X_SESSION_ID="counted").status_code == 200
+    locks = [q["sql"] for q in captured.captured_queries if q["sql"].endswith("FOR UPDATE")]
+    assert len(locks) == 1 and 'FROM "chatapp_conversation"' in locks[0]
+    assert stored() == [("user", "Hello?"), ("assistant", "Hi."), ("user", "How are you?")]

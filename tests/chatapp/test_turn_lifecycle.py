@@ -9,25 +9,9 @@ from chatapp.models import Message, Turn
 from chatapp.turns import admission, lifecycle
 from chatapp.turns.recovery import turns_reap
 from chatapp.validation import NoNodeUp, QuotaExceeded, ReplyInProgress, TurnRejected
-from inference.types import Generation
 from router.models import Node
 from tests.factories import ConversationFactory, MessageFactory, NodeFactory
-
-
-def generation(text: str = "Hi there.") -> Generation:
-    """What an engine returns for a short reply."""
-    return Generation(
-        text=text,
-        token_ids=[1, 2, 3],
-        finish_reason="stop",
-        prompt_tokens=10,
-        cached_tokens=0,
-        cache_source="none",
-        queue_ms=0.0,
-        prefill_ms=1.0,
-        ttft_ms=1.0,
-        decode_tokens_per_s=10.0,
-    )
+from tests.helpers import generation
 
 
 def running_turn(idle_node, *, incarnation: str = "a") -> Turn:
