@@ -3,6 +3,7 @@ user's message and the queued turn. A refused turn stores nothing."""
 
 import re
 from dataclasses import replace
+from functools import cache
 from typing import NamedTuple
 
 from django.conf import settings
@@ -45,14 +46,22 @@ def check_message_fits(text: str, *, model: str) -> ServedModel:
 def served_chat_format(served: ServedModel) -> ChatFormat:
     """The vocabulary and template the nodes of a model use: the packaged model of that name installed here,
     or the file the nodes registered, when this machine has it too."""
+    return _served_format(served.model, served.model_path, served.chat_template)
+
+
+@cache
+def _served_format(model: str, model_path: str, chat_template: str) -> ChatFormat:
+    """Once per process and served file, as the vocabulary itself: finding a packaged model's file reads
+    its package's metadata, a millisecond of every turn. A file not found is not kept: the next turn looks
+    again."""
     try:
-        file = resolve_model(name=served.model)
+        file = resolve_model(name=model)
     except ModelNotFound:
         try:
-            file = resolve_model(name=served.model, path=served.model_path)
+            file = resolve_model(name=model, path=model_path)
         except ModelNotFound as exc:
-            raise NoNodeUp(f"This web process cannot read the vocabulary of the model {served.model}: {exc}") from exc
-    return chat_format_for(replace(file, chat_template=served.chat_template))
+            raise NoNodeUp(f"This web process cannot read the vocabulary of the model {model}: {exc}") from exc
+    return chat_format_for(replace(file, chat_template=chat_template))
 
 
 class RouteHints(NamedTuple):
