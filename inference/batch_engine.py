@@ -196,7 +196,7 @@ class BatchEngine:
             for request in admission.cancelled:
                 self._hand_back(request, "cancelled")
             for request in admission.started:
-                request.sampler = self.runtime.sampler(request.sampling)
+                request.sampler = self.runtime.sampler(request.sampling, request.prompt)
                 request.text = TextAssembler(request.sampling.stop)
             if self.scheduler.running:
                 try:

@@ -13,7 +13,8 @@ import numpy as np
 
 from inference.types import Sampling
 
-PENALTY_LAST_N = 64  # the window of generated tokens the penalties look at, as llama-server's default
+# The tokens the penalties look at (the prompt's last ones, then the reply's), as llama-server's default.
+PENALTY_LAST_N = 64
 
 
 class PenalizedGreedy:

@@ -124,16 +124,24 @@ class LlamaRuntime:
         if code != 0:
             raise DecodeError(f"llama_decode returned {code}")
 
-    def sampler(self, sampling: Sampling) -> LlamaSampler | PenalizedGreedy:
+    def sampler(self, sampling: Sampling, prompt: Sequence[int]) -> LlamaSampler | PenalizedGreedy:
         """A sampler for one sequence: greedy in Python over the logits (inference/greedy.py), or llama.cpp's
-        own chain (penalties, then top-k/top-p/temperature)."""
+        own chain (penalties, then top-k/top-p/temperature). Its penalties' window starts with the prompt's
+        last PENALTY_LAST_N tokens, as llama-server's does (and vLLM's repetition penalty): a reply is held
+        back from repeating what it answers, and the end of the turn it just read, not only itself."""
+        history = prompt[-PENALTY_LAST_N:]
         if sampling.temperature <= 0:
-            return PenalizedGreedy(sampling)
+            greedy = PenalizedGreedy(sampling)
+            for token in history:
+                greedy.accept(token)
+            return greedy
         chain = self.penalties(sampling)
         chain.add_top_k(40)
         chain.add_top_p(sampling.top_p, 1)
         chain.add_temp(sampling.temperature)
         chain.add_dist(llama_cpp.LLAMA_DEFAULT_SEED if sampling.seed is None else sampling.seed)
+        for token in history:
+            llama_cpp.llama_sampler_accept(chain.sampler, token)
         return chain
 
     def penalties(self, sampling: Sampling) -> LlamaSampler:

@@ -1,7 +1,8 @@
 """The Python greedy sampler against llama.cpp's own chain (penalties, then greedy), on the real model."""
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
+import llama_cpp
 import pytest
 from llama_cpp._internals import LlamaSampler
 
@@ -20,10 +21,13 @@ def runtime(model_file) -> Iterator[LlamaRuntime]:
     runtime.close()
 
 
-def _llama_chain(runtime: LlamaRuntime, sampling: Sampling) -> LlamaSampler:
-    """What the engine ran for a greedy request before: llama.cpp's penalties, then its greedy pick."""
+def _llama_chain(runtime: LlamaRuntime, sampling: Sampling, prompt: Sequence[int]) -> LlamaSampler:
+    """llama-server's greedy: llama.cpp's penalties, then its greedy pick, the chain first fed the whole
+    prompt (`init_sampler` in its server-context.cpp)."""
     chain = runtime.penalties(sampling)
     chain.add_greedy()
+    for token in prompt:
+        llama_cpp.llama_sampler_accept(chain.sampler, token)
     return chain
 
 
@@ -41,8 +45,9 @@ def test_it_picks_the_tokens_llama_cpp_picks(runtime, penalties):
     samplers read the same logits (llama.cpp's chain first: it copies them, ours penalises in place)."""
     sampling = Sampling(max_tokens=100, temperature=0, top_p=1, **penalties)
     prompts = [runtime.tokenize(text) for text in PROMPTS]
-    ours = [PenalizedGreedy(sampling) for _ in prompts]
-    reference = [_llama_chain(runtime, sampling) for _ in prompts]
+    ours = [runtime.sampler(sampling, prompt) for prompt in prompts]
+    assert all(isinstance(sampler, PenalizedGreedy) for sampler in ours)
+    reference = [_llama_chain(runtime, sampling, prompt) for prompt in prompts]
     entries = [
         BatchEntry(token, pos, seq, logits=pos == len(prompt) - 1)
         for seq, prompt in enumerate(prompts)
@@ -70,3 +75,21 @@ def test_it_picks_the_tokens_llama_cpp_picks(runtime, penalties):
             runtime.seq_truncate(seq, 0)
     if penalties != {"repeat_penalty": 1.0}:
         assert penalised_steps > 0  # the penalties changed the choice somewhere: the test compares them
+
+
+def test_the_penalties_window_starts_with_the_prompt(runtime):
+    """As llama-server's: the first token is already held back from repeating the prompt's last tokens."""
+    sampling = Sampling(max_tokens=1, temperature=0, top_p=1, repeat_penalty=1.5)
+    prompt = runtime.tokenize(PROMPTS[1])
+    runtime.decode([BatchEntry(token, pos, 0, logits=pos == len(prompt) - 1) for pos, token in enumerate(prompt)])
+    try:
+        index = len(prompt) - 1
+        plain = int(runtime.logits(index).argmax())
+        assert plain in prompt[-64:]  # the model would repeat itself ...
+        sampler = runtime.sampler(sampling, prompt)
+        assert isinstance(sampler, PenalizedGreedy)
+        primed = sampler.choose(runtime.logits(index).copy())
+        assert primed != plain  # ... and the penalty over the prompt stops it
+        assert PenalizedGreedy(sampling).choose(runtime.logits(index).copy()) == plain  # an empty window would not
+    finally:
+        runtime.seq_truncate(0, 0)
