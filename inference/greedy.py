@@ -42,7 +42,8 @@ class PenalizedGreedy:
         return token
 
     def accept(self, token: int) -> None:
-        """Count a generated token into the window, dropping the oldest when the window is full."""
+        """Count a token into the window (the prompt's last ones, then each generated one), dropping the oldest
+        when the window is full."""
         if len(self.window) == PENALTY_LAST_N:
             oldest = self.window[0]
             self.counts[oldest] -= 1
