@@ -1,5 +1,5 @@
-"""The same chat replay through two OpenAI-compatible servers, side by side: this stack and llama.cpp's
-llama-server (`bench_stack`).
+"""The same chat replay through two OpenAI-compatible servers, side by side (`bench_stack`): this stack and
+llama.cpp's llama-server, or this stack and the same product from another checkout (an A/B of two commits).
 
 A replay is N sessions x T turns of held-out chitchat conversations, all sessions at once: each turn
 resends the session's whole history (streaming, greedy, a fixed `max_tokens`), and the reply the server
@@ -17,6 +17,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -40,6 +41,20 @@ class Server:
     body: dict = field(default_factory=dict)  # request fields only this server needs
     compute_threads: int = 2  # llama.cpp's threads: the busiest threads of `pids` in a replay
     services: tuple[str, ...] = ()  # programs, by process name, that work only for this server in its replay
+
+
+@dataclass(frozen=True)
+class Contender:
+    """One side of the comparison: `serving()` gives its server, up and idle, for one replay. A server that
+    stays up for the whole run (`running`) or one started afresh for each replay (another checkout's stack,
+    which must not share a database's nodes with this one's)."""
+
+    name: str
+    serving: Callable[[], AbstractContextManager[Server]]
+
+    @classmethod
+    def running(cls, server: Server) -> "Contender":
+        return cls(server.name, lambda: nullcontext(server))
 
 
 @dataclass(frozen=True)
@@ -220,8 +235,8 @@ class Scenario:
 
 
 def compare(
-    ours: Server,
-    theirs: Server,
+    ours: Contender,
+    theirs: Contender,
     scenarios: Sequence[Scenario],
     conversations: Sequence[list[str]],
     *,
@@ -244,15 +259,17 @@ def compare(
             if len(chosen) < scenario.sessions:
                 raise ValueError(f"Only {len(conversations)} conversations are long enough for this benchmark.")
             offset += scenario.sessions
-            for server in alternating(ours, theirs, r):
-                progress(f"repeat {r + 1}/{repeats}, {scenario.label}: {server.name}")
-                tag = f"bench-{run}-{r}-{scenario.label}"
-                replayed = replay(
-                    server, chosen, turns=scenario.turns, max_tokens=max_tokens, ignore_eos=ignore_eos, tag=tag
-                )
+            for side in alternating(ours, theirs, r):
+                progress(f"repeat {r + 1}/{repeats}, {scenario.label}: {side.name}")
+                # Sessions of their own on each side: two stacks on one database must not share conversations.
+                tag = f"bench-{run}-{r}-{scenario.label}-{side.name}"
+                with side.serving() as server:
+                    replayed = replay(
+                        server, chosen, turns=scenario.turns, max_tokens=max_tokens, ignore_eos=ignore_eos, tag=tag
+                    )
                 if replayed.errors:
-                    raise RuntimeError(f"{server.name} failed {len(replayed.errors)} turns: {replayed.errors[0]}")
-                results[scenario.label][server.name].append(replayed.figures())
+                    raise RuntimeError(f"{side.name} failed {len(replayed.errors)} turns: {replayed.errors[0]}")
+                results[scenario.label][side.name].append(replayed.figures())
             check_same_prompts(results[scenario.label], ours.name, theirs.name)
     return results
 

@@ -17,10 +17,12 @@ from router.models import Node
 
 
 class Stack:
-    """Processes started for one run; `stop()` ends them all (SIGTERM, then waits)."""
+    """Processes started for one run; `stop()` ends them all (SIGTERM, then waits). The product's processes
+    run the code in `root`: this checkout, or another one (`bench_stack --baseline`) with the same Python."""
 
-    def __init__(self, log_dir: Path) -> None:
+    def __init__(self, log_dir: Path, root: Path | None = None) -> None:
         self.log_dir = log_dir
+        self.root = root or Path(settings.BASE_DIR)
         self.processes: dict[str, subprocess.Popen] = {}
 
     def node(self, name: str, env: dict[str, str], *, label: str, model: str = "") -> subprocess.Popen:
@@ -75,7 +77,7 @@ class Stack:
         with (self.log_dir / f"{label}.log").open("w") as log:
             process = subprocess.Popen(  # noqa: S603 (our own programs, arguments built here)
                 command,
-                cwd=settings.BASE_DIR,
+                cwd=self.root,
                 env=product_environment(env) if product else env,
                 stdout=log,
                 stderr=subprocess.STDOUT,

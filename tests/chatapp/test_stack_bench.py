@@ -1,20 +1,26 @@
 """bench_stack's parts: a replay through this stack's real API and node, the ratios' direction and spread,
-and a clear error without the comparison server. (The side-by-side run itself needs `make llama-server`,
-a ten-minute build, so the suite does not run it; the README gives its figures and command.)"""
+a clear error without the comparison server, and a short A/B run against another checkout's stack. (The
+side-by-side run with llama-server needs `make llama-server`, a ten-minute build, so the suite does not run
+it; the README gives its figures and command.)"""
 
+import json
 import os
+import shutil
+import subprocess
 import threading
 import time
 from itertools import islice
 from pathlib import Path
 
 import pytest
+from django.conf import settings
 from django.core.management import CommandError, call_command
 from django.db import connection
 
 from chatapp import quotas
 from chatapp.api.keys import api_key_create
 from chatapp.datasets import chitchat_conversations
+from chatapp.management.commands.bench_stack import LOG_DIR
 from chatapp.stack_bench import (
     Server,
     check_same_prompts,
@@ -82,6 +88,43 @@ def test_without_llama_server_the_command_says_how_to_build_it(tmp_path):
         call_command("bench_stack", "--llama-server", str(tmp_path / "missing"))
     with pytest.raises(CommandError, match="8x12,32x10"):
         call_command("bench_stack", "--scenarios", "8 by 12")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_ab_run_replays_the_same_sessions_through_a_stack_from_another_checkout(tmp_path, capsys):
+    baseline = tmp_path / "baseline"
+    subprocess.run(["git", "clone", "--quiet", "--shared", settings.BASE_DIR, baseline], check=True, timeout=60)
+    manage = baseline / "manage.py"  # a mark in the baseline's node log: its code, not this checkout's, ran
+    manage.write_text(manage.read_text().replace("import sys\n", "import sys\nprint('from the baseline')\n", 1))
+
+    call_command(
+        "bench_stack", "--baseline", str(baseline), "--scenarios", "2x2", "--repeats", "1",
+        "--max-tokens", "8", "--ignore-eos", "--json",
+    )  # fmt: skip
+    figures = json.loads(capsys.readouterr().out)
+
+    assert figures["against"] == str(baseline)
+    assert "from the baseline" in (LOG_DIR / "baseline" / "node.log").read_text()
+    for side in ("stack", "baseline"):
+        assert figures[f"{side}_completion_tokens_2x2"] == 2 * 2 * 8
+        assert figures[f"{side}_errors_2x2"] == 0
+        assert figures[f"{side}_cache_hit_2x2"] > 0  # each session's second turn reuses its first
+    # The same code on both sides writes the same greedy replies, so the second turns' prompts are the same.
+    assert figures["stack_prompt_tokens_2x2"] == figures["baseline_prompt_tokens_2x2"]
+    assert figures["wall_ratio_2x2"] > 0 and figures["wall_ratio_2x2_range"][0] == figures["wall_ratio_2x2"]
+
+
+def test_a_baseline_is_another_checkout_with_the_same_migrations(tmp_path):
+    with pytest.raises(CommandError, match=r"no manage\.py there"):
+        call_command("bench_stack", "--baseline", str(tmp_path))
+    with pytest.raises(CommandError, match="is this checkout"):
+        call_command("bench_stack", "--baseline", str(settings.BASE_DIR))
+    (tmp_path / "manage.py").touch()
+    for app in ("chatapp", "router"):
+        shutil.copytree(Path(settings.BASE_DIR) / app / "migrations", tmp_path / app / "migrations")
+    (tmp_path / "router" / "migrations" / "0999_later.py").touch()
+    with pytest.raises(CommandError, match=r"other migrations than this checkout: router/0999_later\.py\.$"):
+        call_command("bench_stack", "--baseline", str(tmp_path))
 
 
 def test_servers_that_saw_different_prompts_stop_the_comparison():

@@ -1,6 +1,9 @@
 import json
 import os
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import partial
 from itertools import islice
 from pathlib import Path
 
@@ -11,7 +14,7 @@ from django.core.management.base import BaseCommand, CommandError
 from chatapp import quotas
 from chatapp.api.keys import api_key_create
 from chatapp.datasets import chitchat_conversations
-from chatapp.stack_bench import RATIOS, Scenario, Server, compare, summarise
+from chatapp.stack_bench import RATIOS, Contender, Scenario, Server, compare, summarise
 from chatapp.stack_processes import Stack, free_port, wait_for_http
 from inference.benchmark import rounded
 from inference.config import EngineConfig
@@ -21,13 +24,15 @@ from router.models import Node
 LOG_DIR = Path(settings.BASE_DIR) / "var" / "bench-stack"
 LLAMA_SERVER = Path(settings.BASE_DIR) / "var" / "llama-server"
 REPEAT_PENALTY = 1.1  # the node's default; llama-server is asked for the same
+PRODUCTION = {"DEBUG": "off"}  # DEBUG keeps every SQL query in memory: not what a server runs
 TARGETS = {"wall_ratio": ">= 1.0", "ttft_p50_ratio": ">= 1.0", "cache_hit_ratio": ">= 1.0"}
 
 
 class Command(BaseCommand):
     help = (
         "Replay chat sessions through this stack's OpenAI API (a node and a web process it starts) and through "
-        "llama.cpp's llama-server on the same model and cores, interleaved, and print the ratios."
+        "llama.cpp's llama-server (or this stack from another checkout, --baseline) on the same model and cores, "
+        "interleaved, and print the ratios."
     )
 
     def add_arguments(self, parser):
@@ -44,13 +49,23 @@ class Command(BaseCommand):
         parser.add_argument("--slots", type=int, default=16, help="Sequences decoded at once by each server.")
         parser.add_argument("--n-ctx", type=int, default=2048, help="Context per session (per slot).")
         parser.add_argument("--llama-server", default=str(LLAMA_SERVER), help="The binary (make llama-server).")
+        parser.add_argument(
+            "--baseline",
+            metavar="DIR",
+            help=(
+                "Compare with this product's stack run from another checkout (an A/B of two commits: "
+                "`git worktree add DIR REV`) instead of llama-server. It uses this Python and database, so it "
+                "needs the same migrations. Each replay starts its stack afresh, on either side."
+            ),
+        )
         parser.add_argument("--json", action="store_true", help="Print one JSON object instead of a table.")
 
     def handle(self, *args, **o):
         scenarios = _scenarios(o["scenarios"])
         if o["repeats"] < 1:
             raise CommandError("--repeats must be at least 1.")
-        if not Path(o["llama_server"]).is_file():
+        baseline = _baseline(o["baseline"]) if o["baseline"] else None
+        if baseline is None and not Path(o["llama_server"]).is_file():
             raise CommandError(f"No llama-server at {o['llama_server']}: run `make llama-server` first.")
         try:
             model = resolve_model(name=o["model"])
@@ -60,9 +75,19 @@ class Command(BaseCommand):
         needed = o["repeats"] * sum(s.sessions for s in scenarios)
         conversations = list(islice(chitchat_conversations(min_messages=2 * turns), needed))
         run = uuid.uuid4().hex[:8]
+        user, _ = User.objects.get_or_create(username="benchstack")
+        quotas.grant_unlimited_use(user)
+        _, key = api_key_create(owner=user, name=f"bench_stack {run}")
         stack = Stack(LOG_DIR)
         try:
-            ours, theirs = self._start(stack, run, model, o, max(s.sessions for s in scenarios))
+            if baseline is None:
+                ours = Contender.running(self._stack_server(stack, "stack", f"bench-{run}", key, model, o))
+                theirs = Contender.running(self._llama_server(stack, model, o))
+            else:
+                ours, theirs = (
+                    Contender(name, partial(self._fresh_stack, name, root, run, key, model, o))
+                    for name, root in (("stack", Path(settings.BASE_DIR)), ("baseline", baseline))
+                )
             results = compare(
                 ours,
                 theirs,
@@ -80,16 +105,16 @@ class Command(BaseCommand):
             stack.stop()
         summary = summarise(results, ours.name, theirs.name)
         settings_used = {k: o[k] for k in ("model", "repeats", "max_tokens", "ignore_eos", "threads", "slots", "n_ctx")}
+        settings_used["against"] = str(baseline) if baseline else "llama-server"
         if o["json"]:
             self.stdout.write(json.dumps(settings_used | {k: rounded(v) for k, v in summary.items()}))
         else:
-            self._table(summary, scenarios, settings_used)
+            self._table(summary, scenarios, settings_used, theirs.name)
 
-    def _start(self, stack: Stack, run: str, model, o, sessions: int) -> tuple[Server, Server]:
-        """This stack (one node, one web process) and llama-server, both up and idle."""
-        Node.objects.update(status=Node.Status.DOWN)  # only this run's node takes its turns
-        production = {"DEBUG": "off"}  # DEBUG keeps every SQL query in memory: not what a server runs
-        node_env = production | {
+    def _stack_server(self, stack: Stack, name: str, node_name: str, key: str, model, o) -> Server:
+        """This product's stack (one node, one web process) from `stack`'s checkout, up and idle."""
+        Node.objects.update(status=Node.Status.DOWN)  # only this node takes the replay's turns
+        node_env = PRODUCTION | {
             "N_THREADS": str(o["threads"]),
             "MAX_CONCURRENT": str(o["slots"]),
             # As many KV streams as llama-server has slots; other sessions spill to RAM, as its slots do.
@@ -97,9 +122,34 @@ class Command(BaseCommand):
             "N_CTX": str(o["n_ctx"]),
             "REPEAT_PENALTY": str(REPEAT_PENALTY),
         }
-        node = stack.node(f"bench-{run}", node_env, label="node", model=model.name)
-        web_port, llama_port = free_port(), free_port()
-        web = stack.web(web_port, production | {"CHAT_QUEUE_PER_SLOT": "4"})
+        node = stack.node(node_name, node_env, label="node", model=model.name)
+        port = free_port()
+        web = stack.web(port, PRODUCTION | {"CHAT_QUEUE_PER_SLOT": "4"})
+        stack.wait_for_nodes(node_name, 1)
+        return Server(
+            name,
+            f"http://127.0.0.1:{port}",
+            model.name,
+            (node.pid, web.pid),
+            key=key,
+            compute_threads=o["threads"],
+            # Nothing else uses them during the replay: their CPU is the stack's.
+            services=("postgres", "redis-server"),
+        )
+
+    @contextmanager
+    def _fresh_stack(self, name: str, root: Path, run: str, key: str, model, o) -> Iterator[Server]:
+        """A stack from `root`'s checkout for one replay, stopped after it: two stacks on one database must
+        not be up at once, or either web could send a turn to the other's node."""
+        stack = Stack(LOG_DIR / name, root=root)
+        try:
+            yield self._stack_server(stack, name, f"bench-{run}-{name}-{uuid.uuid4().hex[:4]}", key, model, o)
+        finally:
+            stack.stop()
+
+    def _llama_server(self, stack: Stack, model, o) -> Server:
+        """llama.cpp's own server on the same model, threads, slots and context, up and idle."""
+        port = free_port()
         # A forced template family is one of llama.cpp's built-in templates: with Jinja on, llama-server would
         # take its name for a Jinja template and send every conversation as that one word.
         template = ["--no-jinja", "--chat-template", model.chat_template] if model.chat_template else ["--jinja"]
@@ -110,53 +160,58 @@ class Command(BaseCommand):
             "llama-server",
             [
                 o["llama_server"],
-                *("-m", str(model.path), "--host", "127.0.0.1", "--port", str(llama_port)),
+                *("-m", str(model.path), "--host", "127.0.0.1", "--port", str(port)),
                 *("-t", str(o["threads"]), "-tb", str(o["threads"]), "-np", str(o["slots"])),
                 *("-c", str(o["slots"] * o["n_ctx"]), "--swa-full", *template, *layout),
             ],
             # As its users run it: libgomp's own spin count, not the one `inference/__init__.py` sets.
             {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"},
         )
-        wait_for_http(f"http://127.0.0.1:{llama_port}/health", llama, LOG_DIR / "llama-server.log")
-        stack.wait_for_nodes(f"bench-{run}", 1)
-        user, _ = User.objects.get_or_create(username="benchstack")
-        quotas.grant_unlimited_use(user)
-        _, key = api_key_create(owner=user, name=f"bench_stack {run}")
-        ours = Server(
-            "stack",
-            f"http://127.0.0.1:{web_port}",
-            model.name,
-            (node.pid, web.pid),
-            key=key,
-            compute_threads=o["threads"],
-            # Nothing else uses them during the replay: their CPU is the stack's.
-            services=("postgres", "redis-server"),
-        )
-        theirs = Server(
+        wait_for_http(f"http://127.0.0.1:{port}/health", llama, LOG_DIR / "llama-server.log")
+        return Server(
             "llama-server",
-            f"http://127.0.0.1:{llama_port}",
+            f"http://127.0.0.1:{port}",
             model.name,
             (llama.pid,),
             body={"repeat_penalty": REPEAT_PENALTY, "repeat_last_n": 64},
             compute_threads=o["threads"],
         )
-        return ours, theirs
 
-    def _table(self, summary: dict, scenarios: list[Scenario], used: dict) -> None:
+    def _table(self, summary: dict, scenarios: list[Scenario], used: dict, other: str) -> None:
         self.stdout.write(", ".join(f"{k} {v}" for k, v in used.items()))
         figures = ["wall_s", "ttft_p50_ms", "ttft_p90_ms", "cache_hit", "cpu_ms_per_token"]
         figures += ["compute_cpu_ms_per_token", "other_cpu_ms_per_token", "machine_cpu_ms_per_token"]
         for scenario in scenarios:
             label = scenario.label
-            self.stdout.write(f"\n{label} (medians)          {'stack':>12} {'llama-server':>13}")
+            self.stdout.write(f"\n{label} (medians)          {'stack':>12} {other:>13}")
             for figure in figures:
-                ours, theirs = summary[f"stack_{figure}_{label}"], summary[f"llama-server_{figure}_{label}"]
+                ours, theirs = summary[f"stack_{figure}_{label}"], summary[f"{other}_{figure}_{label}"]
                 self.stdout.write(f"  {figure:28} {ours:12.3f} {theirs:13.3f}")
             self.stdout.write(f"  {'ratio':28} {'median':>12} {'range':>13}  target")
             for name in RATIOS:
                 low, high = summary[f"{name}_{label}_range"]
                 median = summary[f"{name}_{label}"]
-                self.stdout.write(f"  {name:28} {median:12.3f} {low:6.3f}-{high:<6.3f}  {TARGETS.get(name, '')}")
+                target = TARGETS.get(name, "") if other == "llama-server" else ""
+                self.stdout.write(f"  {name:28} {median:12.3f} {low:6.3f}-{high:<6.3f}  {target}")
+
+
+def _baseline(directory: str) -> Path:
+    """Another checkout of this project whose code can run on this database (the same migrations)."""
+    root = Path(directory).resolve()
+    if not (root / "manage.py").is_file():
+        raise CommandError(f"--baseline {directory}: no manage.py there (make one with `git worktree add DIR REV`).")
+    if root == Path(settings.BASE_DIR).resolve():
+        raise CommandError("--baseline is this checkout: give another one (`git worktree add DIR REV`).")
+    mine, theirs = _migrations(Path(settings.BASE_DIR)), _migrations(root)
+    if mine != theirs:
+        differ = sorted(mine ^ theirs)
+        shown = ", ".join(differ[:5]) + (f" and {len(differ) - 5} more" if len(differ) > 5 else "")
+        raise CommandError(f"--baseline {directory} has other migrations than this checkout: {shown}.")
+    return root
+
+
+def _migrations(root: Path) -> set[str]:
+    return {f"{path.parent.parent.name}/{path.name}" for path in root.glob("*/migrations/0*.py")}
 
 
 def _scenarios(text: str) -> list[Scenario]:
