@@ -24,7 +24,9 @@ from router.models import Node
 LOG_DIR = Path(settings.BASE_DIR) / "var" / "bench-stack"
 LLAMA_SERVER = Path(settings.BASE_DIR) / "var" / "llama-server"
 REPEAT_PENALTY = 1.1  # the node's default; llama-server is asked for the same
-PRODUCTION = {"DEBUG": "off"}  # DEBUG keeps every SQL query in memory: not what a server runs
+# DEBUG keeps every SQL query in memory: not what a server runs. Off, secure cookies would redirect the
+# replay's plain http to https, unless the environment (a .env) turned them off: the replay is local http.
+PRODUCTION = {"DEBUG": "off", "SECURE_COOKIES": "off"}
 TARGETS = {"wall_ratio": ">= 1.0", "ttft_p50_ratio": ">= 1.0", "cache_hit_ratio": ">= 1.0"}
 
 
