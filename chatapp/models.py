@@ -181,6 +181,7 @@ class Turn(models.Model):
         RAM = "ram", "restored from the node's RAM"
         DISK = "disk", "restored from the node's disk tier"
         OTHER_NODE = "other_node", "restored from another node's disk tier"
+        SHARED = "shared", "copied from another session's cached prefix"
 
     cache_source = models.CharField(max_length=16, choices=CacheSource.choices, default=CacheSource.NONE)
     completion_tokens = models.PositiveIntegerField(null=True, blank=True)

@@ -35,8 +35,15 @@ class BenchSettings:
     progress: Callable[[str], None] = field(default=lambda message: None)
 
 
-def greedy(max_tokens: int, *, ignore_eos: bool = False) -> Sampling:
-    return Sampling(max_tokens=max_tokens, temperature=0, top_p=1, repeat_penalty=1.1, ignore_eos=ignore_eos)
+def greedy(max_tokens: int, *, ignore_eos: bool = False, cache_prompt: bool = True) -> Sampling:
+    return Sampling(
+        max_tokens=max_tokens,
+        temperature=0,
+        top_p=1,
+        repeat_penalty=1.1,
+        ignore_eos=ignore_eos,
+        cache_prompt=cache_prompt,
+    )
 
 
 def as_chat(texts: Sequence[str]) -> list[ChatMessage]:
@@ -99,10 +106,12 @@ class NodeBenchmark:
         results |= self.replay()
         return results
 
-    def _generate(self, session: str, prompt: list[int], max_tokens: int, *, ignore_eos: bool = False) -> Generation:
-        return self.engine.generate(
-            session_key=session, prompt=prompt, sampling=greedy(max_tokens, ignore_eos=ignore_eos)
-        )
+    def _generate(
+        self, session: str, prompt: list[int], max_tokens: int, *, ignore_eos: bool = False, cold: bool = False
+    ) -> Generation:
+        """`cold`: the whole prompt computed, though another session holds its prefix."""
+        sampling = greedy(max_tokens, ignore_eos=ignore_eos, cache_prompt=not cold)
+        return self.engine.generate(session_key=session, prompt=prompt, sampling=sampling)
 
     def warm_cold_and_restore(self) -> dict:
         s = self.settings
@@ -116,7 +125,7 @@ class NodeBenchmark:
             turn2 = self.fmt.render([*answered, question])
             measured: dict[str, Generation] = {}
             for kind in alternating("warm", "cold", i):
-                measured[kind] = self._generate(f"{kind}-{i}", turn2, 1)
+                measured[kind] = self._generate(f"{kind}-{i}", turn2, 1, cold=kind == "cold")
             warm_ttft.append(measured["warm"].ttft_ms)
             cold_ttft.append(measured["cold"].ttft_ms)
             extra.append(len(turn1) + len(reply.token_ids) - measured["warm"].cached_tokens)
@@ -126,7 +135,10 @@ class NodeBenchmark:
             for filler in range(self.engine.config.MAX_RESIDENT_SESSIONS):
                 self._generate(f"filler-{i}-{filler}", self.fmt.render([ChatMessage("user", "Hi")]), 1)
             for kind in alternating("restore", "recompute", i):
-                measured[kind] = self._generate(f"cold-{i}" if kind == "restore" else f"recompute-{i}", turn2, 1)
+                if kind == "restore":
+                    measured[kind] = self._generate(f"cold-{i}", turn2, 1)
+                else:
+                    measured[kind] = self._generate(f"recompute-{i}", turn2, 1, cold=True)
             if measured["restore"].cache_source != "ram":
                 raise RuntimeError("the spilled session was not restored from RAM")
             restore_ms.append(measured["restore"].prefill_ms)
@@ -265,7 +277,7 @@ def calibrate(
     fmt, config = engine.chat_format, engine.config
     run = f"calibrate-{uuid.uuid4().hex[:8]}"  # sessions of their own: not restored from an earlier run's disk tier
     prompt = fmt.render(long_conversation(fmt, conversations, 1024))
-    cold = engine.generate(session_key=f"{run}-prefill", prompt=prompt, sampling=greedy(1))
+    cold = engine.generate(session_key=f"{run}-prefill", prompt=prompt, sampling=greedy(1, cache_prompt=False))
     kv_bytes_per_token = max(engine.runtime.seq_state_bytes(i) for i in range(config.MAX_RESIDENT_SESSIONS)) / len(
         prompt
     )

@@ -119,7 +119,9 @@ def _measure_pair(
     for kind in alternating("restore", "recompute", repeat):
         session = key if kind == "restore" else f"{key}-recompute-{engine.config.NODE_NAME}"
         started = time.perf_counter()
-        generation = engine.generate(session_key=session, prompt=prompt, sampling=greedy(1))
+        generation = engine.generate(
+            session_key=session, prompt=prompt, sampling=greedy(1, cache_prompt=kind == "restore")
+        )
         elapsed_ms = (time.perf_counter() - started) * 1000
         expected = source if kind == "restore" else "none"
         if generation.cache_source != expected:

@@ -174,6 +174,19 @@ class LlamaRuntime:
         if not llama_cpp.llama_memory_seq_rm(self.memory, seq_id, keep, -1):
             raise DecodeError(f"could not truncate sequence {seq_id} at {keep}")
 
+    def seq_copy_prefix(self, source: int, target: int, n_tokens: int) -> bool:
+        """Give the empty sequence `target` the KV cells of `source`'s first `n_tokens` positions; False if
+        llama.cpp found no room. In the shared pool the cells are shared (llama.cpp's seq_cp, no copy). With a
+        stream per sequence, seq_cp copies only whole streams (N_CTX cells); the source's own cells are copied
+        instead, through a host buffer, and the target cut back to the prefix."""
+        if self._kv_unified:
+            llama_cpp.llama_memory_seq_cp(self.memory, source, target, 0, n_tokens)
+            return True
+        if not self.seq_restore(target, self.seq_save(source)):
+            return False
+        self.seq_truncate(target, n_tokens)
+        return True
+
     def seq_state_bytes(self, seq_id: int) -> int:
         return llama_cpp.llama_state_seq_get_size(self.ctx, seq_id)
 

@@ -70,7 +70,9 @@ class Scheduler:
                 continue
             request.admitted_at = time.perf_counter()  # prefill_ms counts a restore from RAM too
             residency = (
-                self.sessions.make_resident(session, request.prompt) if self._reserve_cells(request, session) else None
+                self.sessions.make_resident(session, request.prompt, reuse=request.sampling.cache_prompt)
+                if self._reserve_cells(request, session)
+                else None
             )
             if residency is None:
                 self.waiting.appendleft(request)
@@ -163,7 +165,9 @@ class Scheduler:
         """With one shared pool, spill idle sessions until this request's cells fit next to the running ones."""
         if not self.config.KV_UNIFIED:
             return True  # every resident session has its own N_CTX-cell stream
-        reusable = common_prefix(session.tokens, request.prompt) if session.resident else 0
+        reusable = (
+            common_prefix(session.tokens, request.prompt) if session.resident and request.sampling.cache_prompt else 0
+        )
         need = len(request.prompt) - reusable + request.sampling.max_tokens + 1
         headroom = self.runtime.batch_capacity  # llama.cpp places a batch in free cells; keep room to place one
         while self.sessions.cells_used() + sum(r.cells_to_come() for r in self.running) + need + headroom > (
@@ -174,7 +178,7 @@ class Scheduler:
         return True
 
     def _start(self, request: Request, session: Session) -> None:
-        reuse = common_prefix(session.tokens, request.prompt)
+        reuse = common_prefix(session.tokens, request.prompt) if request.sampling.cache_prompt else 0
         reuse = min(reuse, len(request.prompt) - 1)  # the last prompt token is decoded again for its logits
         self.sessions.truncate(session, reuse)
         self.sessions.acquire(session)

@@ -7,7 +7,8 @@ dropped from RAM, oldest first, beyond a byte budget). With a disk tier
 (`inference.kv_disk`) the spilled state is also written to disk, and so is an
 idle session's (write-behind) and every resident one at a clean shutdown: a
 restarted node, or another node sharing the directory, restores it from there.
-A returning session is restored when that beats recomputing its prefix.
+A returning session is restored when that beats recomputing its prefix; a new one starts from the
+prefix another resident session holds (a shared system prompt), as llama-server's slots reuse each other's.
 """
 
 import ctypes
@@ -15,6 +16,7 @@ import heapq
 import logging
 import time
 from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -25,6 +27,11 @@ logger = logging.getLogger(__name__)
 
 # Below this many reusable tokens, recomputing is one cheap prefill chunk: drop the spilled state instead.
 MIN_RESTORE_TOKENS = 32
+# A session with nothing cached starts from another resident session's cells when they share at least this
+# much of its prompt (a system prompt, say; a chat template's first line alone is a few tokens). Copying a
+# resident sequence's cells costs about 13 us a cell it holds (SmolLM2, 2 cores): 10 ms from an 800-token
+# session, against 69 ms to compute 24 tokens on their own.
+MIN_SHARED_TOKENS = 16
 DROPPED_KEPT = 1000  # dropped sessions remembered between two heartbeats; older ones are simply not reported
 
 
@@ -35,6 +42,7 @@ class Residency(Enum):
     RAM = "ram"  # its spilled state was copied back from host RAM
     DISK = "disk"  # read from a file this node wrote (before a restart, too)
     OTHER_NODE = "other_node"  # read from a file another node sharing the disk tier wrote
+    SHARED = "shared"  # copied from the prefix another resident session holds (a common system prompt)
     EMPTY = "none"  # new, dropped, or not worth restoring: its prompt is computed afresh
 
 
@@ -60,7 +68,7 @@ class Session:
         return bool(self.tokens) and self.persisted != self.version
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = 0
     for x, y in zip(a, b, strict=False):
         if x != y:
@@ -150,28 +158,50 @@ class SessionCache:
                 return True
         return False
 
-    def make_resident(self, session: Session, prompt: list[int]) -> Residency | None:
+    def make_resident(self, session: Session, prompt: list[int], *, reuse: bool = True) -> Residency | None:
         """Give `session` a sequence id, restoring its spilled state if worth it; None if every sequence is busy.
+        Without `reuse` (a cold prefill asked for) nothing is restored or shared: the request truncates it.
 
         Returns with `session.tokens` equal to what its sequence really holds.
         """
         if session.resident:
-            return Residency.KEPT
+            return Residency.KEPT if reuse else Residency.EMPTY
         if not self._free_seq_ids and not self.spill_one_idle(keep=session):
             return None
         session.seq_id = heapq.heappop(self._free_seq_ids)
         if session.spilled is not None:
             state, session.spilled = session.spilled, None
             self.spilled_bytes -= len(state)
-            if common_prefix(session.tokens, prompt) >= MIN_RESTORE_TOKENS and self._runtime.seq_restore(
-                session.seq_id, state
+            if (
+                reuse
+                and common_prefix(session.tokens, prompt) >= MIN_RESTORE_TOKENS
+                and self._runtime.seq_restore(session.seq_id, state)
             ):
                 return Residency.RAM
             self._runtime.seq_truncate(session.seq_id, 0)
-        elif (source := self._restore_from_disk(session, prompt)) is not None:
+        elif reuse and (source := self._restore_from_disk(session, prompt)) is not None:
             return source
         self._set_tokens(session, [])
-        return Residency.EMPTY
+        return self._share_prefix(session, prompt) if reuse else Residency.EMPTY
+
+    def _share_prefix(self, session: Session, prompt: list[int]) -> Residency:
+        """Start the empty resident `session` from the longest prefix of `prompt` that another resident
+        session holds, as llama-server gives a new request the slot whose cache shares most of its prompt;
+        from the shortest such session, the cheapest to copy. EMPTY if none shares MIN_SHARED_TOKENS."""
+        donor, shared = None, MIN_SHARED_TOKENS - 1
+        for other in self._sessions.values():
+            if other.resident and other is not session:
+                n = common_prefix(other.tokens, prompt)
+                if n > shared or (n == shared and donor is not None and len(other.tokens) < len(donor.tokens)):
+                    donor, shared = other, n
+        if donor is None:
+            return Residency.EMPTY
+        assert session.seq_id is not None and donor.seq_id is not None
+        if not self._runtime.seq_copy_prefix(donor.seq_id, session.seq_id, shared):
+            self._runtime.seq_truncate(session.seq_id, 0)
+            return Residency.EMPTY
+        self._set_tokens(session, prompt[:shared])
+        return Residency.SHARED
 
     def discard(self, session: Session) -> None:
         """Forget a session's cached state (after a failed decode left it unknown)."""

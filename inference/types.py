@@ -27,6 +27,9 @@ class Sampling:
     # Write on past the template's end-of-turn tokens, to max_tokens (vLLM's and llama-server's
     # `ignore_eos`): fixed-length replies for benchmarks and for tests that need a long reply.
     ignore_eos: bool = False
+    # False: compute the whole prompt, reusing no cached state, this session's or another's (llama-server's
+    # `cache_prompt`): a cold prefill, for benchmarks that compare one with a warm one.
+    cache_prompt: bool = True
 
 
 @dataclass(frozen=True)

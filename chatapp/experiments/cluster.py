@@ -5,6 +5,7 @@ import random
 import statistics
 import time
 from collections import defaultdict
+from collections.abc import Iterable, Sequence
 from functools import partial
 
 from django.db import connection
@@ -25,6 +26,10 @@ from chatapp.experiments.sources import chitchat_sessions
 from chatapp.memory.registry import strategy_get
 from chatapp.turns import admission
 from inference.benchmark import run_parallel
+from inference.chat_templates import ChatMessage
+from inference.config import EngineConfig
+from inference.session_cache import common_prefix
+from inference.tokenizer import chat_format_for
 from router.services import healthy_nodes, policy_get
 
 COMPARED = ["cache_hit_ratio", "ttft_ms_p50", "ttft_ms_p99", "latency_ms_p50", "turns_per_s"]
@@ -86,6 +91,8 @@ def turn_profiles(*, strategy: str, count: int, turns: int, max_tokens: int, rng
     """Dataset conversations as the strategy would send them: prompt, reusable prefix and reply sizes per
     turn (replies capped at `max_tokens`), with think times modelled from message lengths."""
     assembling = strategy_get(strategy)
+    fmt = chat_format_for(EngineConfig().model_file())
+    shared = opening(fmt.render([ChatMessage("user", text)]) for text in ("Hi", "Bye"))  # the template's own
     profiles = []
     for session in chitchat_sessions(count=count, turns=turns, seed=rng.randrange(2**31)):
         shape: list[SimTurn] = []
@@ -96,10 +103,18 @@ def turn_profiles(*, strategy: str, count: int, turns: int, max_tokens: int, rng
                 break
             think = think_time_s(rng, shape[-1].reply_tokens, text) if shape else 0.0
             reply = max(1, min(fields["completion_tokens"], max_tokens))
-            shape.append(SimTurn(fields["prompt_tokens"], fields["reusable_tokens"], reply, think))
+            shape.append(SimTurn(fields["prompt_tokens"], fields["reusable_tokens"], reply, think, shared))
         if shape:
             profiles.append(shape)
     return profiles
+
+
+def opening(prompts: Iterable[Sequence[int] | None]) -> int:
+    """How many first tokens these prompts all share (none if fewer than two)."""
+    known = [p for p in prompts if p]
+    if len(known) < 2:
+        return 0
+    return min(common_prefix(known[0], other) for other in known[1:])
 
 
 def sweep_point(
@@ -120,10 +135,13 @@ def sweep_point(
 
 
 def replayed_sessions(run: Run) -> list[SimSession]:
-    """A live run's sessions as the simulator takes them: its measured prompt, reuse and reply sizes."""
+    """A live run's sessions as the simulator takes them: its measured prompt, reuse and reply sizes, and the
+    opening its sessions' prompts share."""
     turns: dict[int, list[SimTurn]] = defaultdict(list)
-    for t in run.turns.filter(status="done").order_by("session", "index"):
-        turns[t.session].append(SimTurn(t.prompt_tokens, t.reusable_tokens, max(1, t.completion_tokens)))
+    done = run.turns.filter(status="done")
+    shared = opening(done.filter(index=0).exclude(turn=None).values_list("turn__prompt_token_ids", flat=True))
+    for t in done.order_by("session", "index"):
+        turns[t.session].append(SimTurn(t.prompt_tokens, t.reusable_tokens, max(1, t.completion_tokens), 0, shared))
     return [SimSession(f"replay:{s}", tuple(shape)) for s, shape in sorted(turns.items())]
 
 
@@ -133,12 +151,16 @@ def validate(experiment: Experiment, profile: NodeProfile) -> list[dict]:
     rows = []
     for run in experiment.runs.all():
         nodes = sorted(set(run.turns.exclude(node="").values_list("node", flat=True)))
+        sessions = replayed_sessions(run)
+        # A first turn that reused tokens found its node holding earlier sessions' state (an earlier run's).
+        warm = run.turns.filter(status="done", index=0, cached_tokens__gt=0).exists()
         simulation = Simulation(
             profile=profile,
             nodes=nodes,
             policy=policy_get(run.policy or None),
-            sessions=replayed_sessions(run),
+            sessions=sessions,
             concurrency=experiment.params.get("concurrency", 1),
+            held_opening=sessions[0].turns[0].shared_tokens if warm and sessions else 0,
         )
         simulated = simulation.run().summary()
         measured = run.summary

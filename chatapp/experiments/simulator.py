@@ -1,7 +1,8 @@
 """A discrete-event simulation of a cluster of inference nodes, for sizes no machine here can run.
 
 Sessions arrive, think, and send turns; the router's own policy classes place them; each node keeps an
-LRU prefix cache of `kv_tokens` tokens and serves up to `slots` generations at once. A node's time model
+LRU prefix cache of `kv_tokens` tokens (a session it holds nothing of reuses the opening every session shares,
+once it holds any other) and serves up to `slots` generations at once. A node's time model
 follows the engine (inference.batch_engine): prefill is compute-bound at `prefill_tokens_per_s` and stalls
 the node's decoding while it runs (chunked prefill shares the step with decode), and a decode step for `b`
 sequences takes `step_ms(b)`, linear in `b` (the LM head is computed once per sequence). The figures come
@@ -42,6 +43,9 @@ class SimTurn(NamedTuple):  # tuples: a large run holds millions
     reusable_tokens: int  # the most of this prompt a perfect cache would hold (it extends the previous one)
     reply_tokens: int
     think_s: float = 0.0  # before this turn is sent, after the previous reply
+    # Its first tokens that every session's prompt starts with (BOS, a system prompt, the user's marker): a
+    # node holding another session starts a session it holds nothing of from them (prefix sharing).
+    shared_tokens: int = 0
 
 
 class SimSession(NamedTuple):
@@ -123,7 +127,9 @@ class Simulation:
     """One run: `sessions` on `nodes` nodes of `profile`, routed by `policy`.
 
     With `concurrency`, at most that many sessions are open at once (a closed loop, like a replay's
-    worker threads); otherwise each session opens at its `start_s`.
+    worker threads); otherwise each session opens at its `start_s`. With `held_opening`, each node starts
+    holding that many tokens of the opening sessions share (earlier sessions' state), as a node that served
+    turns before does.
     """
 
     def __init__(
@@ -134,6 +140,7 @@ class Simulation:
         policy: RoutingPolicy,
         sessions: Sequence[SimSession],
         concurrency: int | None = None,
+        held_opening: int = 0,
     ) -> None:
         names = [f"node-{i}" for i in range(nodes)] if isinstance(nodes, int) else list(nodes)
         self.profile, self.policy, self.sessions = profile, policy, sessions
@@ -151,6 +158,8 @@ class Simulation:
         self.concurrency = concurrency
         self.pending = deque(range(len(sessions)))
         self.opening: Iterator[tuple[float, int]] = iter(())
+        for node in self.nodes if held_opening else ():
+            self._cache(node, "(earlier sessions)", held_opening)
 
     def _push(self, time_s: float, handler: Callable[[float, Any], None], payload: Any) -> None:
         """Call `handler(time_s, payload)` at `time_s` of simulated time (ties in push order)."""
@@ -241,8 +250,11 @@ class Simulation:
             node.waiting.append(request)
 
     def _start(self, now: float, request: "_Request") -> None:
-        node, turn = request.node, request.turn
-        hit = min(turn.reusable_tokens, node.cache.get(request.session.key, 0), turn.prompt_tokens - 1)
+        node, turn, key = request.node, request.turn, request.session.key
+        hit = min(turn.reusable_tokens, node.cache.get(key, 0))
+        if hit < turn.shared_tokens and len(node.cache) > (key in node.cache):  # another session holds the opening
+            hit = turn.shared_tokens
+        hit = min(hit, turn.prompt_tokens - 1)
         prefill_s = (turn.prompt_tokens - hit) * self.prefill_s_per_token
         node.prefill_free_s = (now if now > node.prefill_free_s else node.prefill_free_s) + prefill_s
         node.stalled += prefill_s  # prefill steps hold up everyone decoding on this node

@@ -116,3 +116,16 @@ def test_work_aware_sticky_balances_turns_under_skew_and_moves_few_warm_sessions
     assert new["max_mean_turns"] < old["max_mean_turns"]
     assert new["warm_moves_per_turn"] <= 0.01
     assert new["cache_hit_ratio"] >= old["cache_hit_ratio"] - 0.01
+
+
+def test_a_new_session_reuses_the_opening_only_on_a_node_holding_another_session():
+    """Prefix sharing: a first turn reuses the opening every prompt shares (here 24 tokens) once its node
+    holds another session, or when the node starts holding earlier sessions' state."""
+    first_turn = (SimTurn(100, 0, 16, 0.0, 24),)
+    sessions = [SimSession(f"s{i}", first_turn, start_s=10.0 * i) for i in range(3)]
+    one_node = Simulation(profile=PROFILE, nodes=1, policy=StickyPolicy(), sessions=sessions).run()
+    assert one_node.hit_tokens == 2 * 24  # the first session found nothing to share
+    warm = Simulation(profile=PROFILE, nodes=1, policy=StickyPolicy(), sessions=sessions, held_opening=24).run()
+    assert warm.hit_tokens == 3 * 24
+    apart = Simulation(profile=PROFILE, nodes=3, policy=RoundRobinPolicy(), sessions=sessions).run()
+    assert apart.hit_tokens == 0  # each on a node of its own

@@ -6,6 +6,7 @@ CPU (see test_batch_engine's note on batched kernels rounding differently on AVX
 """
 
 import ctypes
+import dataclasses
 import logging
 import time
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ from tests.conftest import SMALL_ENGINE
 from tests.helpers import wait_until
 
 GREEDY = Sampling(max_tokens=12, temperature=0, top_p=1, repeat_penalty=1.1)
+COLD = dataclasses.replace(GREEDY, cache_prompt=False)  # nothing reused, though another session holds the prompt
 FIRST = ChatMessage("user", "My sister Ana keeps three goats and a very old donkey on her farm near Porto.")
 FOLLOW_UP = ChatMessage("user", "What animals does my sister keep?")
 
@@ -58,7 +60,7 @@ def test_a_restarted_node_restores_from_disk_and_replies_as_if_it_had_recomputed
     restarted = engines("node-a")
     assert restarted.stats().disk_sessions == 1
     restored = restarted.generate(session_key="talk", prompt=prompt, sampling=GREEDY)
-    recomputed = restarted.generate(session_key="someone-else", prompt=prompt, sampling=GREEDY)
+    recomputed = restarted.generate(session_key="someone-else", prompt=prompt, sampling=COLD)
 
     assert (restored.cache_source, restored.cached_tokens) == ("disk", held)  # all a resident session reuses
     assert (recomputed.cache_source, recomputed.cached_tokens) == ("none", 0)
