@@ -118,18 +118,6 @@ class Turn(models.Model):
         CANCELLED = "cancelled"
 
     FINISHED = (Status.DONE, Status.FAILED, Status.CANCELLED)
-    # What a finished turn records about its cost (the node writes them; the admin shows them).
-    MEASUREMENTS = (
-        "prompt_tokens",
-        "cached_tokens",
-        "cache_source",
-        "completion_tokens",
-        "queue_ms",
-        "prefill_ms",
-        "ttft_ms",
-        "decode_tokens_per_s",
-    )
-
     # The exact prompt, kept for inspection (the admin, experiments): the turn's largest fields, which the
     # turn's own life never reads back.
     PROMPT_RECORD = ("prompt_text", "prompt_token_ids")

@@ -272,43 +272,49 @@ def turn_record_prompt(*, turn: Turn, fields: dict[str, Any]) -> bool:
     return True
 
 
-_FINISH_FIELDS = ["assistant_message", "status", "finish_reason", *Turn.MEASUREMENTS, "finished_at"]
-
-
 def turn_finish(*, turn: Turn, generation: "Generation") -> Turn | None:
     """Store the running attempt's reply and measurements and announce its end; None if the attempt is
-    stale or the turn already finished (nothing stored, nothing streamed)."""
+    stale or the turn already finished (nothing stored, nothing streamed).
+
+    One guarded UPDATE, as `turn_claim`: the reply's message is inserted first and rolled back with the
+    transaction when the turn is no longer running at this attempt (cancelled, sent again, deleted)."""
 
     def finish() -> Turn | None:
         with transaction.atomic():
-            locked = _locked(turn.pk, to=Status.DONE, attempt=turn.attempt)
-            if locked is None:
-                return None
+            reply = None
             if generation.token_ids:  # a reply stopped before its first token leaves no message
-                locked.assistant_message = Message.objects.create(
+                reply = Message.objects.create(
                     conversation_id=turn.conversation_id,
                     role=Message.Role.ASSISTANT,
                     content=generation.text,
                     token_ids=generation.token_ids,
-                    model=locked.model,
+                    model=turn.model,
                 )
             cancelled = generation.finish_reason == "cancelled"
-            locked.status = Status.CANCELLED if cancelled else Status.DONE
-            locked.finish_reason = generation.finish_reason
-            locked.prompt_tokens = generation.prompt_tokens
-            locked.cached_tokens = generation.cached_tokens
-            locked.cache_source = generation.cache_source
-            locked.queue_ms = (locked.queue_ms or 0) + generation.queue_ms
-            locked.completion_tokens = len(generation.token_ids)
-            locked.prefill_ms = generation.prefill_ms
-            locked.ttft_ms = generation.ttft_ms
-            locked.decode_tokens_per_s = generation.decode_tokens_per_s
-            locked.finished_at = timezone.now()
-            locked.save(update_fields=_FINISH_FIELDS)
-            _ended(locked)
+            fields = {
+                "assistant_message": reply,
+                "status": Status.CANCELLED if cancelled else Status.DONE,
+                "finish_reason": generation.finish_reason,
+                "prompt_tokens": generation.prompt_tokens,
+                "cached_tokens": generation.cached_tokens,
+                "cache_source": generation.cache_source,
+                "queue_ms": (turn.queue_ms or 0) + generation.queue_ms,
+                "completion_tokens": len(generation.token_ids),
+                "prefill_ms": generation.prefill_ms,
+                "ttft_ms": generation.ttft_ms,
+                "decode_tokens_per_s": generation.decode_tokens_per_s,
+                "finished_at": timezone.now(),
+            }
+            running = Turn.objects.filter(pk=turn.pk, attempt=turn.attempt, status=Status.RUNNING)
+            if not running.update(**fields):
+                transaction.set_rollback(True)
+                return None
+            for name, value in fields.items():
+                setattr(turn, name, value)
+            _ended(turn)
             used = generation.prompt_tokens + len(generation.token_ids)
-            owner, key = locked.conversation.owner_id, locked.api_key_id
+            owner, key = turn.conversation.owner_id, turn.api_key_id
             transaction.on_commit(lambda: quotas.charge_tokens(user_id=owner, api_key_id=key, tokens=used))
-        return locked
+        return turn
 
     return _reconnecting(finish)

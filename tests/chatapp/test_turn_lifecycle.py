@@ -50,6 +50,19 @@ def test_a_stale_attempt_writes_nothing_to_postgres(db, idle_node):
     assert list(Message.objects.filter(role="assistant").values_list("content", flat=True)) == ["Hi there."]
 
 
+def test_a_reply_finishing_after_its_turn_ended_or_was_deleted_stores_nothing(db, idle_node):
+    failed = running_turn(idle_node)
+    assert lifecycle.turn_fail(turn_id=failed.pk, attempt=0, error="its node was lost")
+    assert lifecycle.turn_finish(turn=failed, generation=generation("late reply")) is None
+    assert Turn.objects.get(pk=failed.pk).status == Turn.Status.FAILED
+    assert failed.status == Turn.Status.RUNNING and failed.assistant_message is None  # the caller's copy too
+
+    deleted = running_turn(idle_node)
+    deleted.conversation.delete()
+    assert lifecycle.turn_finish(turn=deleted, generation=generation("orphan reply")) is None
+    assert not Message.objects.filter(role="assistant").exists()  # each reply's insert was rolled back
+
+
 def test_a_stale_attempt_writes_nothing_to_the_stream():
     key = f"test-{uuid.uuid4().hex}"
     assert streams.publish(key, {"type": "token", "text": "old "}, attempt=0)
@@ -137,7 +150,7 @@ def test_fair_use_limits_per_user(db, idle_node, settings):
 def test_tokens_per_minute_are_shared_and_answered_with_retry_after(db, idle_node, settings):
     settings.CHAT_USER_TOKENS_PER_MINUTE = 1000
     conversation = ConversationFactory.create()
-    for key in streams.client().scan_iter(f"quota:tokens:{conversation.owner_id}:*"):  # ids restart each run
+    for key in streams.client().scan_iter(f"quota:tokens:user:{conversation.owner_id}:*"):  # ids restart each run
         streams.client().delete(key)
     quotas.charge_tokens(user_id=conversation.owner_id, tokens=1000)
     with pytest.raises(QuotaExceeded, match="used 1,000 tokens this minute; the limit is 1,000") as refused:
