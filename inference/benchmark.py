@@ -107,10 +107,9 @@ class NodeBenchmark:
         return results
 
     def _generate(
-        self, session: str, prompt: list[int], max_tokens: int, *, ignore_eos: bool = False, cold: bool = False
+        self, session: str, prompt: list[int], max_tokens: int, *, ignore_eos: bool = False, cache_prompt: bool = True
     ) -> Generation:
-        """`cold`: the whole prompt computed, though another session holds its prefix."""
-        sampling = greedy(max_tokens, ignore_eos=ignore_eos, cache_prompt=not cold)
+        sampling = greedy(max_tokens, ignore_eos=ignore_eos, cache_prompt=cache_prompt)
         return self.engine.generate(session_key=session, prompt=prompt, sampling=sampling)
 
     def warm_cold_and_restore(self) -> dict:
@@ -125,7 +124,7 @@ class NodeBenchmark:
             turn2 = self.fmt.render([*answered, question])
             measured: dict[str, Generation] = {}
             for kind in alternating("warm", "cold", i):
-                measured[kind] = self._generate(f"{kind}-{i}", turn2, 1, cold=kind == "cold")
+                measured[kind] = self._generate(f"{kind}-{i}", turn2, 1, cache_prompt=kind == "warm")
             warm_ttft.append(measured["warm"].ttft_ms)
             cold_ttft.append(measured["cold"].ttft_ms)
             extra.append(len(turn1) + len(reply.token_ids) - measured["warm"].cached_tokens)
@@ -135,10 +134,8 @@ class NodeBenchmark:
             for filler in range(self.engine.config.MAX_RESIDENT_SESSIONS):
                 self._generate(f"filler-{i}-{filler}", self.fmt.render([ChatMessage("user", "Hi")]), 1)
             for kind in alternating("restore", "recompute", i):
-                if kind == "restore":
-                    measured[kind] = self._generate(f"cold-{i}", turn2, 1)
-                else:
-                    measured[kind] = self._generate(f"recompute-{i}", turn2, 1, cold=True)
+                session = f"cold-{i}" if kind == "restore" else f"recompute-{i}"
+                measured[kind] = self._generate(session, turn2, 1, cache_prompt=kind == "restore")
             if measured["restore"].cache_source != "ram":
                 raise RuntimeError("the spilled session was not restored from RAM")
             restore_ms.append(measured["restore"].prefill_ms)

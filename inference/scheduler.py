@@ -165,9 +165,7 @@ class Scheduler:
         """With one shared pool, spill idle sessions until this request's cells fit next to the running ones."""
         if not self.config.KV_UNIFIED:
             return True  # every resident session has its own N_CTX-cell stream
-        reusable = (
-            common_prefix(session.tokens, request.prompt) if session.resident and request.sampling.cache_prompt else 0
-        )
+        reusable = _reusable(request, session) if session.resident else 0
         need = len(request.prompt) - reusable + request.sampling.max_tokens + 1
         headroom = self.runtime.batch_capacity  # llama.cpp places a batch in free cells; keep room to place one
         while self.sessions.cells_used() + sum(r.cells_to_come() for r in self.running) + need + headroom > (
@@ -178,8 +176,8 @@ class Scheduler:
         return True
 
     def _start(self, request: Request, session: Session) -> None:
-        reuse = common_prefix(session.tokens, request.prompt) if request.sampling.cache_prompt else 0
-        reuse = min(reuse, len(request.prompt) - 1)  # the last prompt token is decoded again for its logits
+        # The last prompt token is decoded again for its logits.
+        reuse = min(_reusable(request, session), len(request.prompt) - 1)
         self.sessions.truncate(session, reuse)
         self.sessions.acquire(session)
         request.session = session
@@ -187,6 +185,11 @@ class Scheduler:
         request.pending = request.prompt[reuse:]
         request.state = RequestState.PREFILLING
         self.running.append(request)
+
+
+def _reusable(request: Request, session: Session) -> int:
+    """The prompt's first tokens the session holds, unless the request asks for a cold prefill."""
+    return common_prefix(session.tokens, request.prompt) if request.sampling.cache_prompt else 0
 
 
 def _seq_id(request: Request) -> int:
