@@ -31,12 +31,18 @@ CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 Figures = list[dict[str, float]]  # one replay's figures per repeat
 
 
+def other_cpu_part(name: str) -> str:
+    """The figure of a process's or service's share of the other CPU."""
+    return f"other_cpu_of_{name}_ms_per_token"
+
+
 @dataclass(frozen=True)
 class Server:
     name: str
     url: str
     model: str
     pids: tuple[int, ...]  # the processes whose CPU time is the server's
+    names: tuple[str, ...] = ()  # what each of `pids` is, naming its share of the other CPU (default: its pid)
     key: str = ""  # bearer token
     body: dict = field(default_factory=dict)  # request fields only this server needs
     compute_threads: int = 2  # llama.cpp's threads: the busiest threads of `pids` in a replay
@@ -71,6 +77,7 @@ class ReplayResult:
     wall_s: float = 0.0
     compute_cpu_s: float = 0.0  # llama.cpp's threads
     other_cpu_s: float = 0.0  # every other thread of the server's processes, and its services
+    other_cpu_parts: dict[str, float] = field(default_factory=dict)  # other_cpu_s by process and service
     machine_cpu_s: float = 0.0
     ttft_ms: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
@@ -95,6 +102,7 @@ class ReplayResult:
             "cpu_ms_per_token": 1000 * (self.compute_cpu_s + self.other_cpu_s) / tokens,
             "compute_cpu_ms_per_token": 1000 * self.compute_cpu_s / tokens,
             "other_cpu_ms_per_token": 1000 * self.other_cpu_s / tokens,
+            **{other_cpu_part(name): 1000 * cpu / tokens for name, cpu in self.other_cpu_parts.items()},
             "machine_cpu_ms_per_token": 1000 * self.machine_cpu_s / tokens,
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
@@ -160,16 +168,25 @@ def replay(
                 result.add(answer)
             history.append({"role": "assistant", "content": answer.text})
 
-    threads_before, services_before = thread_cpu_s(server.pids), service_cpu_s(server.services)
-    processes_before, machine_before = process_cpu_s(server.pids), machine_cpu_s()
+    names = server.names or tuple(str(pid) for pid in server.pids)
+    threads_before = thread_cpu_s(server.pids)
+    processes_before = {pid: process_cpu_s([pid]) for pid in server.pids}
+    services_before = {name: service_cpu_s([name]) for name in server.services}
+    machine_before = machine_cpu_s()
     result.wall_s = run_parallel([partial(one_session, k, texts) for k, texts in enumerate(conversations)])
     used = sorted(
-        (cpu - threads_before.get(thread, 0.0) for thread, cpu in thread_cpu_s(server.pids).items()), reverse=True
+        ((cpu - threads_before.get(thread, 0.0), thread) for thread, cpu in thread_cpu_s(server.pids).items()),
+        reverse=True,
     )
-    result.compute_cpu_s = sum(used[: server.compute_threads])
-    processes = process_cpu_s(server.pids) - processes_before
-    # Each thread's time is rounded down to a clock tick, the processes' is not: never below zero.
-    result.other_cpu_s = max(processes - result.compute_cpu_s, 0.0) + service_cpu_s(server.services) - services_before
+    compute = used[: server.compute_threads]
+    result.compute_cpu_s = sum(cpu for cpu, _ in compute)
+    for name, pid in zip(names, server.pids, strict=True):
+        own_compute = sum(cpu for cpu, (owner, _) in compute if owner == pid)
+        # Each thread's time is rounded down to a clock tick, the process's is not: never below zero.
+        result.other_cpu_parts[name] = max(process_cpu_s([pid]) - processes_before[pid] - own_compute, 0.0)
+    for name in server.services:
+        result.other_cpu_parts[name] = service_cpu_s([name]) - services_before[name]
+    result.other_cpu_s = sum(result.other_cpu_parts.values())
     result.machine_cpu_s = machine_cpu_s() - machine_before
     return result
 

@@ -33,6 +33,8 @@ from chatapp.stack_bench import (
 from tests.conftest import start_web, stop_node
 from tests.factories import UserFactory
 
+WHERE_OTHER_CPU_GOES = ("node", "web", "postgres", "redis-server")
+
 
 @pytest.mark.django_db(transaction=True)
 def test_a_replay_through_the_stack_resends_history_and_reads_its_cache_hits(node, test_database, model_file):
@@ -43,7 +45,9 @@ def test_a_replay_through_the_stack_resends_history_and_reads_its_cache_hits(nod
     # (the client's threads, in this process, are gone when it is counted).
     web, url = start_web(test_database, log_name="bench-web")
     try:
-        server = Server("stack", url, model_file.name, (web.pid,), key=key, compute_threads=1, services=("postgres",))
+        server = Server(
+            "stack", url, model_file.name, (web.pid,), ("web",), key=key, compute_threads=1, services=("postgres",)
+        )
         conversations = list(islice(chitchat_conversations(min_messages=6), 2))
         result = replay(server, conversations, turns=3, max_tokens=8, ignore_eos=True, tag="bench-test")
     finally:
@@ -60,6 +64,9 @@ def test_a_replay_through_the_stack_resends_history_and_reads_its_cache_hits(nod
     assert figures["compute_cpu_ms_per_token"] > 0 and figures["other_cpu_ms_per_token"] >= 0
     split = figures["compute_cpu_ms_per_token"] + figures["other_cpu_ms_per_token"]
     assert split == pytest.approx(figures["cpu_ms_per_token"])
+    # The other CPU by where it went: the web process besides its busiest thread, and Postgres.
+    parts = figures["other_cpu_of_web_ms_per_token"] + figures["other_cpu_of_postgres_ms_per_token"]
+    assert parts == pytest.approx(figures["other_cpu_ms_per_token"])
     assert figures["ttft_p50_ms"] <= figures["ttft_p90_ms"]
 
 
@@ -109,6 +116,9 @@ def test_an_ab_run_replays_the_same_sessions_through_a_stack_from_another_checko
         assert figures[f"{side}_completion_tokens_2x2"] == 2 * 2 * 8
         assert figures[f"{side}_errors_2x2"] == 0
         assert figures[f"{side}_cache_hit_2x2"] > 0  # each session's second turn reuses its first
+        # The other CPU, split by where it went: the node besides llama.cpp's threads, the web, the services.
+        parts = [figures[f"{side}_other_cpu_of_{part}_ms_per_token_2x2"] for part in WHERE_OTHER_CPU_GOES]
+        assert sum(parts) == pytest.approx(figures[f"{side}_other_cpu_ms_per_token_2x2"], rel=0.01, abs=0.01)
     # The same code on both sides writes the same greedy replies, so the second turns' prompts are the same.
     assert figures["stack_prompt_tokens_2x2"] == figures["baseline_prompt_tokens_2x2"]
     assert figures["wall_ratio_2x2"] > 0 and figures["wall_ratio_2x2_range"][0] == figures["wall_ratio_2x2"]
