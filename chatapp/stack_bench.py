@@ -13,6 +13,7 @@ import http.client
 import json
 import math
 import os
+import re
 import statistics
 import threading
 import time
@@ -36,13 +37,19 @@ def other_cpu_part(name: str) -> str:
     return f"other_cpu_of_{name}_ms_per_token"
 
 
+def other_cpu_parts(summary: dict, server: str, label: str) -> dict[str, float]:
+    """A server's other CPU by where it went, from `summarise`'s figures for one scenario."""
+    figure = re.compile(re.escape(f"{server}_{other_cpu_part('@')}_{label}").replace("@", "(.+)"))
+    return {match[1]: ms for key, ms in summary.items() if (match := figure.fullmatch(key))}
+
+
 @dataclass(frozen=True)
 class Server:
     name: str
     url: str
     model: str
     pids: tuple[int, ...]  # the processes whose CPU time is the server's
-    names: tuple[str, ...] = ()  # what each of `pids` is, naming its share of the other CPU (default: its pid)
+    names: tuple[str, ...]  # what each of `pids` is, naming its share of the other CPU
     key: str = ""  # bearer token
     body: dict = field(default_factory=dict)  # request fields only this server needs
     compute_threads: int = 2  # llama.cpp's threads: the busiest threads of `pids` in a replay
@@ -168,7 +175,6 @@ def replay(
                 result.add(answer)
             history.append({"role": "assistant", "content": answer.text})
 
-    names = server.names or tuple(str(pid) for pid in server.pids)
     threads_before = thread_cpu_s(server.pids)
     processes_before = {pid: process_cpu_s([pid]) for pid in server.pids}
     services_before = {name: service_cpu_s([name]) for name in server.services}
@@ -180,7 +186,7 @@ def replay(
     )
     compute = used[: server.compute_threads]
     result.compute_cpu_s = sum(cpu for cpu, _ in compute)
-    for name, pid in zip(names, server.pids, strict=True):
+    for name, pid in zip(server.names, server.pids, strict=True):
         own_compute = sum(cpu for cpu, (owner, _) in compute if owner == pid)
         # Each thread's time is rounded down to a clock tick, the process's is not: never below zero.
         result.other_cpu_parts[name] = max(process_cpu_s([pid]) - processes_before[pid] - own_compute, 0.0)

@@ -14,7 +14,7 @@ from django.core.management.base import BaseCommand, CommandError
 from chatapp import quotas
 from chatapp.api.keys import api_key_create
 from chatapp.datasets import chitchat_conversations
-from chatapp.stack_bench import RATIOS, Contender, Scenario, Server, compare, other_cpu_part, summarise
+from chatapp.stack_bench import RATIOS, Contender, Scenario, Server, compare, other_cpu_parts, summarise
 from chatapp.stack_processes import Stack, free_port, wait_for_http
 from inference.benchmark import rounded
 from inference.config import EngineConfig
@@ -133,7 +133,7 @@ class Command(BaseCommand):
             f"http://127.0.0.1:{port}",
             model.name,
             (node.pid, web.pid),
-            names=("node", "web"),
+            ("node", "web"),
             key=key,
             compute_threads=o["threads"],
             # Nothing else uses them during the replay: their CPU is the stack's.
@@ -176,7 +176,7 @@ class Command(BaseCommand):
             f"http://127.0.0.1:{port}",
             model.name,
             (llama.pid,),
-            names=("llama-server",),
+            ("llama-server",),
             body={"repeat_penalty": REPEAT_PENALTY, "repeat_last_n": 64},
             compute_threads=o["threads"],
         )
@@ -192,25 +192,14 @@ class Command(BaseCommand):
                 ours, theirs = summary[f"stack_{figure}_{label}"], summary[f"{other}_{figure}_{label}"]
                 self.stdout.write(f"  {figure:28} {ours:12.3f} {theirs:13.3f}")
             for side in ("stack", other):
-                self.stdout.write(f"  other CPU ms a token, {side}: {_other_cpu_parts(summary, side, label)}")
+                parts = sorted(other_cpu_parts(summary, side, label).items(), key=lambda part: -part[1])
+                self.stdout.write(f"  other CPU ms a token, {side}: " + ", ".join(f"{n} {ms:.3f}" for n, ms in parts))
             self.stdout.write(f"  {'ratio':28} {'median':>12} {'range':>13}  target")
             for name in RATIOS:
                 low, high = summary[f"{name}_{label}_range"]
                 median = summary[f"{name}_{label}"]
                 target = TARGETS.get(name, "") if other == "llama-server" else ""
                 self.stdout.write(f"  {name:28} {median:12.3f} {low:6.3f}-{high:<6.3f}  {target}")
-
-
-def _other_cpu_parts(summary: dict, side: str, label: str) -> str:
-    """Where a side's other CPU went (its processes besides llama.cpp's threads, its services), largest first."""
-    head, tail = other_cpu_part("{}").split("{}")
-    prefix, suffix = f"{side}_{head}", f"{tail}_{label}"
-    parts = {
-        key.removeprefix(prefix).removesuffix(suffix): ms
-        for key, ms in summary.items()
-        if key.startswith(prefix) and key.endswith(suffix)
-    }
-    return ", ".join(f"{name} {ms:.3f}" for name, ms in sorted(parts.items(), key=lambda part: -part[1]))
 
 
 def _baseline(directory: str) -> Path:
