@@ -72,19 +72,27 @@ def api_turn_start(*, key: ApiKey, request: ChatRequest, session_id: str | None,
         raise ApiError(str(exc), status=404, param="model", code="model_not_found") from exc
     *earlier, (_, new_text) = request.history
     wanted = [_normalised(role, text) for role, text in earlier]
-    admission.reap_unfinished(Turn.objects.filter(conversation__owner=owner, conversation__api_session=session))
-    try:
+
+    def start(reaped: bool) -> Turn:
         with transaction.atomic():
             latest = _latest_conversation(owner, session)
-            if latest is not None and (again := _sent_again(latest, request.system, wanted, new_text)):
+            last_turn = admission.latest_turn(latest) if latest is not None else None
+            if latest and last_turn and (again := _sent_again(latest, last_turn, request.system, wanted, new_text)):
+                if not (reaped or again.is_finished):
+                    raise admission.UnfinishedTurn
                 return again
             conversation = _conversation(owner, session, request.system, wanted, latest)
             services.conversation_set_model(conversation=conversation, model=request.model)
             if strategy:
                 services.conversation_set_strategy(conversation=conversation, strategy=strategy)
+            locked = admission.Locked(latest=last_turn if conversation is latest else None, reaped=reaped)
             return admission.turn_start(
-                conversation=conversation, text=new_text, sampling=request.sampling, api_key=key, locked=True
+                conversation=conversation, text=new_text, sampling=request.sampling, api_key=key, locked=locked
             )
+
+    try:
+        turns = Turn.objects.filter(conversation__owner=owner, conversation__api_session=session)
+        return admission.reaping_first(turns, start)
     except TurnRejected as exc:
         raise api_error(exc) from exc
 
@@ -116,11 +124,13 @@ def _stored(conversation: Conversation, **before) -> list[tuple[str, str]]:
     return list(messages.order_by("created_at", "id").values_list("role", "content"))
 
 
-def _sent_again(conversation: Conversation, system: str, wanted: list[tuple[str, str]], new_text: str) -> Turn | None:
+def _sent_again(
+    conversation: Conversation, turn: Turn, system: str, wanted: list[tuple[str, str]], new_text: str
+) -> Turn | None:
     """The turn this very request started, if the client sends it again: the conversation's latest turn
-    answers the same text after the same history. A failed one is retried; a cancelled one is not reused."""
-    turn = conversation.turns.select_related("user_message").defer(*Turn.PROMPT_RECORD).order_by("-id").first()
-    if turn is None or conversation.system_prompt != system or turn.status == Turn.Status.CANCELLED:
+    (`turn`) answers the same text after the same history. A failed one is retried; a cancelled one is not
+    reused."""
+    if conversation.system_prompt != system or turn.status == Turn.Status.CANCELLED:
         return None
     if _normalised("user", new_text) != ("user", turn.user_message.content):
         return None

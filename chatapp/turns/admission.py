@@ -2,8 +2,9 @@
 user's message and the queued turn. A refused turn stores nothing."""
 
 import re
+from collections.abc import Callable
 from dataclasses import replace
-from functools import cache
+from functools import cache, partial
 from typing import NamedTuple
 
 from django.conf import settings
@@ -71,13 +72,24 @@ class RouteHints(NamedTuple):
     cold: bool  # the prompt will not extend the previous one: its node's cache is no use to it
 
 
-def route_hints(conversation: Conversation, served: ServedModel) -> RouteHints:
+def latest_turn(conversation: Conversation) -> Turn | None:
+    """The conversation's latest turn, with what starting the next one asks of it: whether it is finished
+    (only the latest turn can be unfinished: a turn starts, or a failed one is retried, only while none is),
+    the request it answered (a request sent again) and how its prompt was made (`route_hints`)."""
+    return conversation.turns.select_related("user_message").defer(*Turn.PROMPT_RECORD).order_by("-pk").first()
+
+
+def route_hints(conversation: Conversation, served: ServedModel, latest: Turn | None) -> RouteHints:
     """Whether the session is new, and whether the next turn's prompt will not extend the previous turn's
     prompt and reply: the strategy changed since, or the strategy says its history is due for a chunked
     drop (from the previous prompt's verbatim tokens and its reply). The router may then move the session
-    for free. A forecast from stored sizes: a wrong one costs at most one move (or one read, for `new`)."""
-    done = conversation.turns.filter(status=Turn.Status.DONE).order_by("-pk")
-    previous = done.only("strategy", "strategy_options", "trace", "completion_tokens").first()
+    for free. A forecast from stored sizes: a wrong one costs at most one move (or one read, for `new`).
+    `latest`: the conversation's latest turn (`latest_turn`), finished; the previous turn is the latest
+    one that is done."""
+    previous = latest
+    if latest is not None and latest.status != Turn.Status.DONE:
+        done = conversation.turns.filter(status=Turn.Status.DONE).order_by("-pk")
+        previous = done.only("strategy", "strategy_options", "trace", "completion_tokens").first()
     if previous is None:
         return RouteHints(new=True, cold=False)
     if (previous.strategy, previous.strategy_options) != (conversation.strategy, conversation.strategy_options):
@@ -90,12 +102,29 @@ def route_hints(conversation: Conversation, served: ServedModel) -> RouteHints:
     )
 
 
-def reap_unfinished(turns: QuerySet[Turn]) -> None:
-    """Send on, or fail, those of these unfinished turns whose node is gone (`turns_reap`), so that a
-    conversation is never blocked by a turn no node will finish. Call before the transaction that checks
-    for a reply in progress: a refusal rolling that back must not bring the orphan back."""
-    for turn_id in turns.exclude(status__in=Turn.FINISHED).values_list("pk", flat=True):
-        turns_reap(turn_id=turn_id)
+class UnfinishedTurn(Exception):
+    """A turn start met an unfinished turn before orphans were sent on (`reaping_first`)."""
+
+
+class Locked(NamedTuple):
+    """What a caller of `turn_start` read under the conversation's row lock, which its transaction holds."""
+
+    latest: Turn | None  # the conversation's latest turn (`latest_turn`)
+    reaped: bool  # orphans among its turns were sent on before this transaction (`reaping_first`)
+
+
+def reaping_first[T](turns: QuerySet[Turn], start: Callable[[bool], T]) -> T:
+    """`start(reaped)`: a transaction that starts a turn, and raises UnfinishedTurn if it meets an
+    unfinished one while `reaped` is False. Then those of `turns` whose node is gone are sent on, or
+    failed (`turns_reap`), outside any transaction, so that a refusal rolling it back cannot bring the
+    orphan back, and `start(True)` runs. A conversation is thus never blocked by a turn no node will
+    finish, and the common case (nothing unfinished) reads nothing for it."""
+    try:
+        return start(False)
+    except UnfinishedTurn:
+        for turn_id in turns.exclude(status__in=Turn.FINISHED).values_list("pk", flat=True):
+            turns_reap(turn_id=turn_id)
+    return start(True)
 
 
 def turn_start(
@@ -105,45 +134,50 @@ def turn_start(
     sampling: dict | None = None,
     policy: str | None = None,
     api_key: ApiKey | None = None,
-    locked: bool = False,
+    locked: Locked | None = None,
 ) -> Turn:
     """Store the user's message and its queued turn; its task is queued once both are durable.
 
-    Every check runs before anything is written: the text, its size, one reply at a time, the user's
+    Every check runs before anything is written: the text, one reply at a time, its size, the user's
     quotas, a node to run it and room in that node's queue. `sampling` overrides the node's defaults
     (fields of inference.types.Sampling); `policy` is a routing policy alias; `api_key` is the key an API
     request came with (its own limits apply as well as its owner's).
 
     `locked`: the caller's transaction already holds the conversation's row lock (or created the row), and
-    the caller ran `reap_unfinished` over its turns before that transaction (an API request, which stores
-    the resent history first). The turn then starts in that transaction, and a refusal rolls it all back.
-    Otherwise the turn starts in a transaction of its own.
+    runs inside `reaping_first` (an API request, which stores the resent history first). The turn then
+    starts in that transaction, and a refusal rolls it all back. Otherwise the turn starts in a
+    transaction of its own.
     """
     text = check_message_text(text)
-    if not locked:
-        reap_unfinished(conversation.turns.all())
-    served = check_message_fits(text, model=conversation.model)
-    if locked:
-        return _start_locked(conversation, text, served, sampling=sampling, policy=policy, api_key=api_key)
-    with transaction.atomic():
-        conversation = Conversation.objects.select_for_update().get(pk=conversation.pk)
-        return _start_locked(conversation, text, served, sampling=sampling, policy=policy, api_key=api_key)
+    start = partial(_start_locked, text=text, sampling=sampling, policy=policy, api_key=api_key)
+    if locked is not None:
+        return start(conversation, locked=locked)
+
+    def in_transaction(reaped: bool) -> Turn:
+        with transaction.atomic():
+            row = Conversation.objects.select_for_update().get(pk=conversation.pk)
+            return start(row, locked=Locked(latest_turn(row), reaped))
+
+    return reaping_first(conversation.turns.all(), in_transaction)
 
 
 def _start_locked(
     conversation: Conversation,
-    text: str,
-    served: ServedModel,
     *,
+    locked: Locked,
+    text: str,
     sampling: dict | None,
     policy: str | None,
     api_key: ApiKey | None,
 ) -> Turn:
-    """The checks and the writes of `turn_start` that need the conversation's row lock."""
-    if conversation.turns.exclude(status__in=Turn.FINISHED).exists():
+    """The checks and the writes of `turn_start`, under the conversation's row lock."""
+    if locked.latest is not None and not locked.latest.is_finished:
+        if not locked.reaped:
+            raise UnfinishedTurn
         raise ReplyInProgress("A reply is still being written; wait for it or stop it first.")
+    served = check_message_fits(text, model=conversation.model)
     quotas.check_new_turn(user_id=conversation.owner_id, api_key_id=api_key.pk if api_key else None)
-    hints = route_hints(conversation, served)
+    hints = route_hints(conversation, served, locked.latest)
     try:
         node = session_node(
             session_key=conversation.session_key,

@@ -8,6 +8,7 @@ from django.utils import timezone
 from chatapp.api.keys import LAST_USED_RESOLUTION, api_key_create, api_key_find
 from chatapp.models import ApiKey, Message, Turn
 from chatapp.turns import lifecycle
+from router.models import Node
 from tests.helpers import generation
 
 URL = "/v1/chat/completions"
@@ -225,6 +226,24 @@ def test_the_same_request_sent_again_is_answered_by_its_turn_not_stored_twice(cl
     assert stored() == [("user", "Hello?")]
 
 
+def test_a_request_sent_again_after_its_node_restarted_is_answered_by_its_turn_sent_on(client, auth, idle_node):
+    """The turn was claimed by a process the node's name no longer runs: the request sent again finds it
+    unfinished, has it sent on (a new attempt) and is answered by it, without waiting for a heartbeat."""
+    body = {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "Hello?"}]}
+    assert post(client, body, **auth, HTTP_X_SESSION_ID="restarted").status_code == 200
+    turn = lifecycle.turn_claim(turn_id=Turn.objects.get().pk, attempt=0, node=idle_node.name, incarnation="old")
+    assert turn is not None
+    Node.objects.filter(pk=idle_node.pk).update(incarnation="new")
+    assert post(client, body, **auth, HTTP_X_SESSION_ID="restarted").status_code == 200
+    turn.refresh_from_db()
+    assert (Turn.objects.count(), turn.status, turn.attempt) == (1, Turn.Status.QUEUED, 1)
+    assert stored() == [("user", "Hello?")]
+
+    follow_up = body["messages"] + [{"role": "user", "content": "And then?"}]
+    refused = post(client, body | {"messages": follow_up}, **auth, HTTP_X_SESSION_ID="restarted")
+    assert refused.status_code == 409 and error(refused)["code"] == "reply_in_progress"  # it is being written
+
+
 def test_a_follow_up_turn_starts_in_one_transaction_that_locks_its_conversation_once(
     client, auth, idle_node, django_assert_num_queries
 ):
@@ -235,11 +254,11 @@ def test_a_follow_up_turn_starts_in_one_transaction_that_locks_its_conversation_
     turn = lifecycle.turn_claim(turn_id=Turn.objects.get().pk, attempt=0, node=idle_node.name, incarnation="a")
     assert turn is not None and lifecycle.turn_finish(turn=turn, generation=generation("Hi."))
     messages += [{"role": "assistant", "content": "Hi."}, {"role": "user", "content": "How are you?"}]
-    # The key; the session's unfinished turns (reaped); then in one transaction (here a savepoint and its
-    # release): the conversation locked, its latest turn (sent again?), its stored messages, the models
-    # served, a reply in progress?, 4 for the quotas, the previous turn's route hints, the session's node,
-    # that node's queue, the message, the turn, the conversation's update time.
-    with django_assert_num_queries(19) as captured:
+    # The key; then in one transaction (here a savepoint and its release): the conversation locked, its
+    # latest turn (sent again? a reply in progress? the route hints), its stored messages, the models
+    # served, 4 for the quotas, the session's node, that node's queue, the message, the turn, the
+    # conversation's update time. Orphans are reaped only when the latest turn is unfinished.
+    with django_assert_num_queries(16) as captured:
         assert post(client, body, **auth, HTTP_X_SESSION_ID="counted").status_code == 200
     locks = [q["sql"] for q in captured.captured_queries if q["sql"].endswith("FOR UPDATE")]
     assert len(locks) == 1 and 'FROM "chatapp_conversation"' in locks[0]

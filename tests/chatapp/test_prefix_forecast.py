@@ -2,7 +2,7 @@
 free), or its session is new (it is placed without a read)."""
 
 from chatapp.models import Turn
-from chatapp.turns.admission import RouteHints, route_hints
+from chatapp.turns.admission import RouteHints, latest_turn, route_hints
 from router.services import ServedModel
 from tests.factories import ConversationFactory, MessageFactory
 
@@ -12,14 +12,20 @@ SERVED = ServedModel(  # a 4,096-token context
 )
 
 
-def done_turn(conversation, *, verbatim: list[int], reply: int, strategy="stable_prefix", options=DROP_AT) -> Turn:
+def hints(conversation) -> RouteHints:
+    return route_hints(conversation, SERVED, latest_turn(conversation))
+
+
+def done_turn(
+    conversation, *, verbatim: list[int], reply: int, strategy="stable_prefix", options=DROP_AT, status="done"
+) -> Turn:
     message = MessageFactory.create(conversation=conversation)
     segments = [{"kind": "system", "ids": [], "tokens": 300}]
     segments += [{"kind": "verbatim", "ids": [], "tokens": n} for n in verbatim]
     return Turn.objects.create(
         conversation=conversation,
         user_message=message,
-        status=Turn.Status.DONE,
+        status=status,
         strategy=strategy,
         strategy_options=options,
         trace={"segments": segments},
@@ -29,17 +35,32 @@ def done_turn(conversation, *, verbatim: list[int], reply: int, strategy="stable
 
 def test_a_stable_prefix_conversation_breaks_when_its_history_passes_the_drop_point(db):
     conversation = ConversationFactory.create(strategy="stable_prefix", strategy_options=DROP_AT)
-    assert route_hints(conversation, SERVED) == RouteHints(new=True, cold=False)  # no turn yet: nothing to lose
+    assert hints(conversation) == RouteHints(new=True, cold=False)  # no turn yet: nothing to lose
     turn = done_turn(conversation, verbatim=[250, 150], reply=90)
     # 490 tokens of history: the system prompt does not count
-    assert route_hints(conversation, SERVED) == RouteHints(new=False, cold=False)
+    assert hints(conversation) == RouteHints(new=False, cold=False)
     Turn.objects.filter(pk=turn.pk).update(completion_tokens=120)
-    assert route_hints(conversation, SERVED).cold  # 520 > 500: the next prompt drops a chunk
+    assert hints(conversation).cold  # 520 > 500: the next prompt drops a chunk
 
 
 def test_a_changed_strategy_breaks_and_a_strategy_that_cannot_tell_never_does(db):
     conversation = ConversationFactory.create(strategy="window")
     done_turn(conversation, verbatim=[5000], reply=90, strategy="window", options={})
-    assert not route_hints(conversation, SERVED).cold
+    assert not hints(conversation).cold
     conversation.strategy = "stable_prefix"
-    assert route_hints(conversation, SERVED).cold
+    assert hints(conversation).cold
+
+
+def test_a_failed_or_cancelled_latest_turn_leaves_the_hints_to_the_latest_done_one(db):
+    conversation = ConversationFactory.create(strategy="stable_prefix", strategy_options=DROP_AT)
+    done_turn(conversation, verbatim=[250, 150], reply=120)  # 520: due for a drop
+    done_turn(conversation, verbatim=[10], reply=1, status=Turn.Status.FAILED)
+    assert hints(conversation) == RouteHints(new=False, cold=True)
+    done_turn(conversation, verbatim=[10], reply=1, status=Turn.Status.CANCELLED)
+    assert hints(conversation) == RouteHints(new=False, cold=True)
+
+
+def test_a_conversation_whose_turns_all_failed_is_new_to_the_router(db):
+    conversation = ConversationFactory.create(strategy="stable_prefix", strategy_options=DROP_AT)
+    done_turn(conversation, verbatim=[250, 150], reply=120, status=Turn.Status.FAILED)
+    assert hints(conversation) == RouteHints(new=True, cold=False)
