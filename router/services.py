@@ -9,7 +9,7 @@ import dataclasses
 import hashlib
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from datetime import timedelta
 from typing import Any, NamedTuple
 
@@ -186,12 +186,30 @@ def _healthy(model: str | None):
     return nodes if model is None else nodes.filter(model=model)
 
 
+_SERVED = ("model", "model_path", "chat_template", "n_ctx", "max_reply_tokens")
+
+
 def served_models() -> dict[str, ServedModel]:
-    """The models some healthy node serves, each with the tightest limits among its nodes. Asked on every
-    turn: only these columns (a node's stats, written by its heartbeats, run to kilobytes)."""
+    """The models some healthy node serves, each with the tightest limits among its nodes (only these
+    columns: a node's stats, written by its heartbeats, run to kilobytes)."""
+    return _served_by(_healthy(None).only("name", *_SERVED))
+
+
+def served_model(model: str) -> ServedModel | None:
+    """What the healthy nodes serving `model` serve (None: none does), from this process's view of them,
+    the one its routing decisions use: asked on every turn, it reads nothing while the view is fresh, and
+    reads it again when it names no node. A node that left since is no loss: routing checks each node it
+    picks (and `session_node` refuses when none is healthy)."""
+    with _VIEWS.lock:
+        _, known = _VIEWS.get(model, if_empty=True)
+        return _served_by(known.values()).get(model)
+
+
+def _served_by(nodes: Iterable[Any]) -> dict[str, ServedModel]:
+    """The models these nodes (rows with a name and the `_SERVED` fields) serve, each with the tightest
+    limits among its nodes (and the file and template of the last by name)."""
     served: dict[str, ServedModel] = {}
-    limits = ("name", "model", "model_path", "chat_template", "n_ctx", "max_reply_tokens")
-    for node in _healthy(None).only(*limits).order_by("name"):
+    for node in sorted(nodes, key=lambda node: node.name):
         if node.model:
             known = served.get(node.model)
             served[node.model] = ServedModel(
@@ -268,9 +286,7 @@ def _place(chooser: RoutingPolicy, session_key: str, model: str | None, *, refre
     """Place a session that has no node; None if it has one by now (another request placed it first), or if
     the chosen node was no longer healthy (the view is then read afresh next time)."""
     with _VIEWS.lock:
-        view, by_name = _VIEWS.get(model, refresh=refresh)
-        if not len(view) and not refresh:  # a node may have come up since the view was read
-            view, by_name = _VIEWS.get(model, refresh=True)
+        view, by_name = _VIEWS.get(model, refresh=refresh, if_empty=True)
         if not len(view):
             raise NoHealthyNode(_no_node_message(model))
         choice = chooser.choose(session_key=session_key, current=None, view=view)
@@ -378,6 +394,10 @@ class _Known(NamedTuple):
     sessions: int
     work: float
     kv_use: float
+    model_path: str
+    chat_template: str
+    n_ctx: int
+    max_reply_tokens: int
 
     def node(self) -> Node:
         return Node(**{field: getattr(self, field) for field in self._fields})
@@ -395,11 +415,14 @@ class _ClusterViews:
         self.lock = threading.Lock()
         self._views: dict[str | None, tuple[float, ClusterView, dict[str, _Known]]] = {}
 
-    def get(self, model: str | None, *, refresh: bool = False) -> tuple[ClusterView, dict[str, "_Known"]]:
-        """Call holding `lock`. Reading 1,000 nodes takes a few milliseconds (plain rows, not models)."""
+    def get(
+        self, model: str | None, *, refresh: bool = False, if_empty: bool = False
+    ) -> tuple[ClusterView, dict[str, "_Known"]]:
+        """Call holding `lock`. `if_empty`: read again a kept view that names no node (one may have come up
+        since). Reading 1,000 nodes takes a few milliseconds (plain rows, not models)."""
         now = time.monotonic()
         cached = self._views.get(model)
-        if refresh or cached is None or now - cached[0] > settings.ROUTER_VIEW_SECONDS:
+        if refresh or cached is None or now - cached[0] > settings.ROUTER_VIEW_SECONDS or (if_empty and not cached[2]):
             rows = [_Known(*row) for row in _healthy(model).values_list(*_Known._fields)]
             view = ClusterView(NodeLoad(r.name, r.sessions, r.work, r.kv_use) for r in rows)
             cached = (now, view, {r.name: r for r in rows})

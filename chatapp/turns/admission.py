@@ -22,7 +22,7 @@ from inference.chat_format import ChatFormat
 from inference.chat_templates import ChatMessage
 from inference.model_files import ModelNotFound, resolve_model
 from inference.tokenizer import chat_format_for
-from router.services import NoHealthyNode, ServedModel, served_models, session_node
+from router.services import NoHealthyNode, ServedModel, served_model, session_node
 
 _REMEMBER = re.compile(r"^\s*remember that\s+(?P<fact>.+)", re.IGNORECASE | re.DOTALL)
 
@@ -31,7 +31,7 @@ def check_message_fits(text: str, *, model: str) -> ServedModel:
     """Refuse a message that alone cannot fit the context of `model`'s nodes with room for the reply,
     counted with that model's vocabulary and template; refuse a model no node serves now. Returns what
     its nodes serve."""
-    served = served_models().get(model)
+    served = served_model(model)
     if served is None:
         raise NoNodeUp(f"No inference node serves the model {model}; try again shortly.")
     fmt = served_chat_format(served)

@@ -283,3 +283,23 @@ def test_a_wrong_first_turn_hint_costs_a_read_never_a_move(nodes, settings, djan
     Node.objects.filter(pk=nodes[2].pk).update(status=Node.Status.DOWN)
     assert services.session_node(session_key="s", new=True) != nodes[2]
     assert AssignmentMove.objects.get(session_key="s").reason == "node down or draining"
+
+
+def test_what_a_model_is_served_with_comes_from_the_routing_view_read_again_when_it_names_no_node(
+    db, settings, django_assert_num_queries
+):
+    """Asked on every turn, so it reads nothing while the view is fresh; a model no node in the view serves
+    (one registered by another process since) is read again at once."""
+    settings.ROUTER_VIEW_SECONDS = 3600
+    Node.objects.update(status=Node.Status.DOWN)
+    NodeFactory.create(name="wide", model="m", n_ctx=8192, max_reply_tokens=512)
+    NodeFactory.create(name="narrow", model="m", n_ctx=4096, max_reply_tokens=256)
+    assert services.served_model("m") == services.served_models()["m"]
+    with django_assert_num_queries(0):
+        served = services.served_model("m")
+    assert served is not None and (served.n_ctx, served.max_reply_tokens) == (4096, 256)  # the tightest
+    with django_assert_num_queries(1):
+        assert services.served_model("other") is None
+    Node.objects.filter(name="narrow").update(model="other")  # as another process would: no signal here
+    with django_assert_num_queries(1):
+        assert services.served_model("other") is not None
