@@ -256,10 +256,11 @@ def test_a_follow_up_turn_starts_in_one_transaction_that_locks_its_conversation_
     assert turn is not None and lifecycle.turn_finish(turn=turn, generation=generation("Hi."))
     messages += [{"role": "assistant", "content": "Hi."}, {"role": "user", "content": "How are you?"}]
     # The key; then in one transaction (here a savepoint and its release): the conversation locked, its
-    # latest turn (sent again? a reply in progress? the route hints), its stored messages, 4 for the
-    # quotas, the session's node, that node's queue, the message, the turn, the conversation's update
-    # time. Orphans are reaped only when the latest turn is unfinished.
-    with django_assert_num_queries(15) as captured:
+    # latest turn (sent again? a reply in progress? the route hints), its stored messages, 2 for the
+    # quotas (the account's exemption or lock, then the replies it is writing), the session's node, that
+    # node's queue, the message, the turn, the conversation's update time. Orphans are reaped only when
+    # the latest turn is unfinished.
+    with django_assert_num_queries(13) as captured:
         assert post(client, body, **auth, HTTP_X_SESSION_ID="counted").status_code == 200
     locks = [q["sql"] for q in captured.captured_queries if q["sql"].endswith("FOR UPDATE")]
     assert len(locks) == 1 and 'FROM "chatapp_conversation"' in locks[0]

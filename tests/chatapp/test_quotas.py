@@ -1,6 +1,7 @@
 """Who is exempt from the turn limits: the one-query check agrees with Django's `has_perm` in every case."""
 
 from django.contrib.auth.models import Group, Permission, User
+from django.db import connection, transaction
 
 from chatapp import quotas
 
@@ -22,6 +23,21 @@ def test_unlimited_use_is_answered_as_has_perm_answers_it(db):
     inactive_superuser.is_superuser, inactive_superuser.is_active = True, False
     inactive_superuser.save(update_fields=["is_superuser", "is_active"])
 
-    answers = [quotas._has_unlimited_use(u.pk) for u in users]
+    answers = [quotas._unlimited_else_locked(u.pk) for u in users]
     assert answers == [False, True, True, True, False, False]
     assert answers == [User.objects.get(pk=u.pk).has_perm(quotas.UNLIMITED) for u in users]
+
+
+def test_the_users_lock_is_taken_unless_the_account_is_exempt(db):
+    """In the same round trip: an exempt account takes no lock, any other holds its lock until commit."""
+    plain, exempt = User.objects.create_user("locked"), User.objects.create_user("exempt")
+    quotas.grant_unlimited_use(exempt)
+
+    def advisory_locks_held() -> int:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()")
+            return cursor.fetchone()[0]
+
+    with transaction.atomic():
+        assert quotas._unlimited_else_locked(exempt.pk) and advisory_locks_held() == 0
+        assert not quotas._unlimited_else_locked(plain.pk) and advisory_locks_held() == 1
