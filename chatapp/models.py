@@ -187,6 +187,17 @@ class Turn(models.Model):
     class Meta:
         ordering = ["created_at", "id"]
         permissions = [("unlimited_use", "Is not held to the fair-use turn limits (replays, load tests)")]
+        # The unfinished turns, by node: a few among all ever written. Every turn's start counts its node's
+        # queue and its user's replies in progress, and every heartbeat looks for orphans, among these only
+        # (a query excluding the FINISHED statuses, named here as the Meta cannot see them, matches the
+        # condition, also as a prepared statement).
+        indexes = [
+            models.Index(
+                fields=["node"],
+                condition=~models.Q(status__in=["done", "failed", "cancelled"]),
+                name="turn_unfinished_by_node",
+            )
+        ]
 
     def __str__(self) -> str:
         return f"Turn {self.pk} ({self.status})"

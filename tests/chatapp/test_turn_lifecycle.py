@@ -3,6 +3,8 @@
 import uuid
 
 import pytest
+from django.db import connection
+from django.db.models import Q
 
 from chatapp import quotas, services, streams
 from chatapp.models import Message, Turn
@@ -95,6 +97,19 @@ def test_retry_keeps_one_reply_at_a_time(db, idle_node):
     with pytest.raises(TurnRejected, match="latest reply"):
         lifecycle.turn_retry(turn=turn)
     assert Turn.objects.get(pk=turn.pk).status == Turn.Status.FAILED
+
+
+def test_the_unfinished_turns_are_found_through_their_own_index(db, idle_node):
+    """A node's queue, a user's replies in progress and the orphans are read among the unfinished turns
+    only, never by scanning every turn a node or a user ever had."""
+    (index,) = Turn._meta.indexes
+    assert index.condition == ~Q(status__in=Turn.FINISHED)
+    unfinished = Turn.objects.exclude(status__in=Turn.FINISHED)
+    with connection.cursor() as cursor:
+        cursor.execute("SET LOCAL enable_seqscan = off")  # a test's few rows: ask what the index can serve
+    assert "turn_unfinished_by_node" in unfinished.filter(node=idle_node.name).explain()
+    mine = unfinished.filter(Q(conversation__owner_id=1) | Q(api_key_id=1))  # as the fair-use check asks
+    assert "turn_unfinished_by_node" in mine.explain()
 
 
 def test_a_turn_held_by_a_replaced_incarnation_is_sent_again(db, idle_node):
