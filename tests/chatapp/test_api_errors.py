@@ -229,7 +229,8 @@ def test_the_same_request_sent_again_is_answered_by_its_turn_not_stored_twice(cl
 def test_a_request_sent_again_after_its_node_restarted_is_answered_by_its_turn_sent_on(client, auth, idle_node):
     """The turn was claimed by a process the node's name no longer runs: the request sent again finds it
     unfinished, has it sent on (a new attempt) and is answered by it, without waiting for a heartbeat."""
-    body = {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "Hello?"}]}
+    hello = [{"role": "user", "content": "Hello?"}]
+    body = {"model": MODEL, "stream": True, "messages": hello}
     assert post(client, body, **auth, HTTP_X_SESSION_ID="restarted").status_code == 200
     turn = lifecycle.turn_claim(turn_id=Turn.objects.get().pk, attempt=0, node=idle_node.name, incarnation="old")
     assert turn is not None
@@ -239,7 +240,7 @@ def test_a_request_sent_again_after_its_node_restarted_is_answered_by_its_turn_s
     assert (Turn.objects.count(), turn.status, turn.attempt) == (1, Turn.Status.QUEUED, 1)
     assert stored() == [("user", "Hello?")]
 
-    follow_up = body["messages"] + [{"role": "user", "content": "And then?"}]
+    follow_up = [*hello, {"role": "user", "content": "And then?"}]
     refused = post(client, body | {"messages": follow_up}, **auth, HTTP_X_SESSION_ID="restarted")
     assert refused.status_code == 409 and error(refused)["code"] == "reply_in_progress"  # it is being written
 
