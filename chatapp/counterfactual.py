@@ -16,10 +16,10 @@ from django.core.cache import cache
 from django.db.models import QuerySet
 
 from chatapp.experiments.model_free import ModelFreeSession
-from chatapp.memory.assembly import names_of, stored_message
+from chatapp.memory.assembly import names_of, stored_message, user_facts
 from chatapp.memory.base import StoredMessage
 from chatapp.memory.registry import strategy_aliases, strategy_get
-from chatapp.models import Message, Turn, UserFact
+from chatapp.models import Message, Turn
 from chatapp.turn_inspection import segment_label
 from chatapp.turns.admission import served_chat_format
 from chatapp.validation import NoNodeUp
@@ -68,7 +68,7 @@ def _replay_all(turn: Turn) -> list[WhatIf]:
     max_tokens = int(turn.sampling.get("max_tokens") or served.max_reply_tokens)
     budget = served.n_ctx - max_tokens - fmt.overhead
     stored = [stored_message(m, model=turn.model) for m in _messages_up_to(turn)]
-    facts = list(UserFact.objects.filter(owner_id=turn.conversation.owner_id).values_list("text", flat=True))
+    facts = user_facts(turn.conversation.owner_id)
     return [_replay(alias, turn, stored, facts, fmt, budget) for alias in strategy_aliases()]
 
 

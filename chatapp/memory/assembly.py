@@ -2,7 +2,9 @@
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from functools import cached_property
+from typing import TYPE_CHECKING, Any, overload
 
 from django.conf import settings
 
@@ -49,6 +51,11 @@ def names_of(conversation: Conversation) -> dict[str, str]:
     return {"user": conversation.user_name, "assistant": conversation.assistant_name}
 
 
+def user_facts(owner_id: int) -> list[str]:
+    """The texts of the user's saved facts, as strategies see them."""
+    return list(UserFact.objects.filter(owner_id=owner_id).values_list("text", flat=True))
+
+
 def stored_summaries(conversation: Conversation) -> list[StoredSummary]:
     return [StoredSummary(s.text, s.through_message_id, s.first_message_id or 0) for s in conversation.summaries.all()]
 
@@ -62,8 +69,31 @@ def _history(turn: Turn, model: str, *, with_own: bool = False) -> list[StoredMe
     return sorted((stored_message(m, model=model) for m in stored), key=lambda m: m.id == own)
 
 
+class _ReadOnUse[T](Sequence[T]):
+    """Stored rows read when a strategy first looks at them: most strategies never read facts or summaries,
+    and their two queries would run before every turn's first token."""
+
+    def __init__(self, read: Callable[[], list[T]]) -> None:
+        self._read = read
+
+    @cached_property
+    def _rows(self) -> list[T]:
+        return self._read()
+
+    @overload
+    def __getitem__(self, index: int) -> T: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[T]: ...
+    def __getitem__(self, index: int | slice) -> T | list[T]:
+        return self._rows[index]
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+
 def _context(turn: Turn, engine: "Engine", sampling: Sampling) -> MemoryContext:
-    """Everything the strategy may read, in four queries: it runs before every turn's first token."""
+    """Everything the strategy may read: two queries before every turn's first token, and the user's facts
+    and the conversation's summaries (one query each) only for a strategy that reads them."""
     conversation = turn.conversation
     *history, new_message = _history(turn, engine.model, with_own=True)
     earlier = conversation.turns.filter(id__lt=turn.pk, status=Turn.Status.DONE).order_by("id")
@@ -75,8 +105,8 @@ def _context(turn: Turn, engine: "Engine", sampling: Sampling) -> MemoryContext:
         budget=engine.n_ctx - sampling.max_tokens - fmt.overhead,
         count_tokens=fmt.count,
         system_prompt=conversation.system_prompt or settings.CHAT_SYSTEM_PROMPT,
-        facts=list(UserFact.objects.filter(owner_id=conversation.owner_id).values_list("text", flat=True)),
-        summaries=stored_summaries(conversation),
+        facts=_ReadOnUse(lambda: user_facts(conversation.owner_id)),
+        summaries=_ReadOnUse(lambda: stored_summaries(conversation)),
         previous_first_id=traced[-1][2] if traced else None,
         search=lambda query, ids: message_search(query=query, message_ids=ids),
         recalled={user_id: tuple(ids) for user_id, ids, _ in traced if ids},

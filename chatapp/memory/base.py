@@ -206,8 +206,10 @@ class MemoryStrategy:
 
     def _head(self, context: MemoryContext, pinned: list[StoredMessage]) -> list[Segment]:
         head = [Segment("system", (ChatMessage("system", context.system_prompt),))] if context.system_prompt else []
+        if not self.pinned:
+            return head  # the facts are not read: on the node that is a query saved
         lines = [*(f"- {fact}" for fact in context.facts), *(f"- {m.role}: {m.text}" for m in pinned)]
-        if self.pinned and lines:
+        if lines:
             text = "Things to remember:\n" + "\n".join(lines)
             head.append(Segment("pinned", (ChatMessage("system", text),), tuple(m.id for m in pinned)))
         return head

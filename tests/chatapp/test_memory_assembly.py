@@ -4,7 +4,7 @@ import pytest
 
 from chatapp.memory.assembly import prompt_record, turn_prompt, turn_summarize
 from chatapp.memory.summaries import SUMMARY_TOKENS
-from chatapp.models import Message, Summary, Turn
+from chatapp.models import Message, Summary, Turn, UserFact
 from chatapp.selectors import message_search
 from chatapp.turns.lifecycle import turn_record_prompt
 from inference.types import Sampling
@@ -76,3 +76,18 @@ def test_every_configured_strategy_assembles_a_stored_conversation(db, engine, a
     prompt = turn_prompt(turn=turn, engine=engine, sampling=SHORT)
     assert prompt.assembled.kept_ids[-1] == turn.user_message_id
     assert len(prompt.tokens) == prompt.assembled.tokens + engine.chat_format.overhead_of(prompt.assembled.messages())
+
+
+@pytest.mark.parametrize(("alias", "queries"), [("stable_prefix", 2), ("pinned", 3), ("summary", 3)])
+def test_a_prompt_reads_the_users_facts_and_the_summaries_only_for_a_strategy_that_uses_them(
+    db, engine, django_assert_num_queries, alias, queries
+):
+    """Two queries for every prompt (the history, the earlier turns' traces), one more for each add-on."""
+    turn = _conversation_with_turn(alias, exchanges=4)
+    UserFact.objects.create(owner=turn.conversation.owner, text="My sister lives in Nairobi.")
+    with django_assert_num_queries(queries):
+        prompt = turn_prompt(turn=turn, engine=engine, sampling=SHORT)
+    pinned = [s for s in prompt.assembled.segments if s.kind == "pinned"]
+    assert [s.messages[0].text for s in pinned] == (
+        ["Things to remember:\n- My sister lives in Nairobi."] if alias == "pinned" else []
+    )
