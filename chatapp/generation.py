@@ -18,8 +18,9 @@ if TYPE_CHECKING:
     from inference.types import Sampling
 
 logger = logging.getLogger(__name__)
-# How long a token's append answers "was a stop asked?". Tokens come every step, so while they flow a stop
-# is seen at the next token; a reply that pauses longer (a long prompt step beside it) reads the flag.
+# How long a token's append answers "was a stop asked?". Appends are answered every CHAT_STREAM_INTERVAL_MS
+# while tokens flow, so a stop is seen within it; a reply that pauses longer (a long prompt step beside it)
+# reads the flag.
 ANSWER_FRESH_S = 0.5
 
 
@@ -80,7 +81,7 @@ class _TokenStream:
         """On the engine thread: queue the text for the stream; False once an answer said to stop."""
         answer = self.appends.answer
         if answer is not streams.Appended.SUPERSEDED:
-            stream_writer.writer().append(self.appends, {"type": "token", "text": text})
+            stream_writer.writer().append(self.appends, text)
         return not _says_stop(answer)
 
     def should_stop(self) -> bool:
@@ -92,8 +93,9 @@ class _TokenStream:
         return self.stop_read
 
     def wait_written(self) -> None:
-        """Until the tokens are on the stream, so that the turn's end (or error) event comes after them."""
-        if not self.appends.wait_written():
+        """Send the tokens still queued, and wait until they are on the stream, so that the turn's end (or
+        error) event comes after them."""
+        if not stream_writer.writer().flush(self.appends):
             logger.warning("turn %s: tokens still not streamed after %ss", self.turn.pk, stream_writer.FLUSH_TIMEOUT_S)
 
 

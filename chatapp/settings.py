@@ -228,6 +228,9 @@ CHAT_MEMORY_STRATEGIES = {
     },
 }
 CHAT_STREAM_TTL_SECONDS = env.int("CHAT_STREAM_TTL_SECONDS", default=3600)
+# How often a node sends a reply's new text to its stream (a reply's first text goes at once): the tokens
+# of the steps in between go as one entry (`chatapp.stream_writer`). 0: every step's tokens at once.
+CHAT_STREAM_INTERVAL_MS = env.int("CHAT_STREAM_INTERVAL_MS", default=100)
 # Unfinished turns a node may hold per generation slot before new ones are refused ("busy, retry").
 CHAT_QUEUE_PER_SLOT = env.int("CHAT_QUEUE_PER_SLOT", default=4)
 # A turn queued this long on an idle node lost its Celery task (a broker restart) and is sent again.

@@ -1,10 +1,16 @@
 """A node's token appends, every running turn's together: one thread sends whatever has queued up as one
-pipelined Redis round trip.
+pipelined Redis round trip, at most once every CHAT_STREAM_INTERVAL_MS.
 
 Each engine step gives every running reply a token at about the same moment. Appended one by one, from
 the reply's own task thread, that was one round trip (and a wake-up of Redis and of the web's stream
 reader) per token, each taking a core from the compute threads mid-step. Batched, a step's tokens cost one
-of each. Appends keep their order (one queue, one writer); each answers, when its batch comes back, what
+of each. Paced, the tokens of the steps within an interval go as one entry per reply (their texts joined),
+so Redis, the web's stream reader and each response handle one entry, and wake once, for several tokens:
+vLLM's `stream_interval`, in time rather than tokens, so that a reader sees text as often on any hardware.
+A reply's first text, and a flush its task waits on (its end), go at once: neither a first token nor a
+reply's end waits for the interval.
+
+Appends keep their order (one queue, one writer); each answers, when its batch comes back, what
 `streams.publish` answers: written, a stop asked, or a later attempt owning the stream.
 """
 
@@ -14,7 +20,6 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
 
 import redis
 from django.conf import settings
@@ -25,7 +30,7 @@ logger = logging.getLogger(__name__)
 FLUSH_TIMEOUT_S = 10
 
 
-@dataclass
+@dataclass(eq=False)
 class Appends:
     """One turn attempt's appends: what the latest answered one said, and how many are still queued."""
 
@@ -42,66 +47,104 @@ class Appends:
             return self._done.wait_for(lambda: self.queued == 0, timeout)
 
 
+@dataclass
+class _Entry:
+    """What one batch sends for one attempt: its queued texts, joined into one token event."""
+
+    appends: Appends
+    texts: list[str] = field(default_factory=list)
+
+    def body(self) -> str:
+        return json.dumps({"type": "token", "text": "".join(self.texts), "attempt": self.appends.attempt})
+
+
 class StreamWriter:
-    def __init__(self) -> None:
+    def __init__(self, interval_s: float | None = None) -> None:
+        self.interval_s = settings.CHAT_STREAM_INTERVAL_MS / 1000 if interval_s is None else interval_s
         self._queue: deque[tuple[Appends, str]] = deque()
         self._ready = threading.Condition()
+        self._urgent = False  # send without waiting out the interval
+        self._sent_at = 0.0
         self._thread: threading.Thread | None = None
 
-    def append(self, appends: Appends, event: dict[str, Any]) -> None:
-        """Queue the event for the turn's stream; it is sent with whatever else is queued by then."""
-        body = json.dumps(event | {"attempt": appends.attempt})
+    def append(self, appends: Appends, text: str) -> None:
+        """Queue text for the turn's stream; it is sent with whatever else is queued by then, at once if it
+        is the attempt's first."""
         with appends._done:
+            first = appends.answer is None and appends.queued == 0
             appends.queued += 1
         with self._ready:
-            self._queue.append((appends, body))
+            self._queue.append((appends, text))
+            self._urgent = self._urgent or first
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="stream-writer", daemon=True)
                 self._thread.start()
             self._ready.notify()
 
+    def flush(self, appends: Appends, timeout: float = FLUSH_TIMEOUT_S) -> bool:
+        """Send what is queued now, and wait until the attempt's appends are all answered; False on timeout."""
+        with self._ready:
+            self._urgent = True
+            self._ready.notify()
+        return appends.wait_written(timeout)
+
     def _run(self) -> None:
         while True:
             with self._ready:
                 self._ready.wait_for(lambda: bool(self._queue))
+                if (wait := self._sent_at + self.interval_s - time.monotonic()) > 0:
+                    self._ready.wait_for(lambda: self._urgent, wait)
+                self._urgent = False
                 batch = [self._queue.popleft() for _ in range(len(self._queue))]
+            self._sent_at = time.monotonic()
+            entries: dict[Appends, _Entry] = {}
+            for appends, text in batch:
+                entries.setdefault(appends, _Entry(appends)).texts.append(text)
             try:
-                answers = self._send(batch)
+                answers = self._send(list(entries.values()))
             except Exception:  # the writer must outlive a bad batch, or every later turn waits on it
                 logger.exception("%d token events not streamed", len(batch))
-                answers = [streams.Appended.WRITTEN] * len(batch)
-            for (appends, _), answer in zip(batch, answers, strict=True):
+                answers = [streams.Appended.WRITTEN] * len(entries)
+            for entry, answer in zip(entries.values(), answers, strict=True):
+                appends = entry.appends
                 with appends._done:
-                    appends.answer, appends.queued = answer, appends.queued - 1
+                    appends.answer, appends.queued = answer, appends.queued - len(entry.texts)
                     appends.answered_at = time.monotonic()
                     appends._done.notify_all()
 
-    def _send(self, batch: list[tuple[Appends, str]]) -> list[streams.Appended]:
-        """The batch's appends in one round trip. A Redis outage loses the live text, never the reply (the
-        node stores it in Postgres), as `streams.publish_or_log` does: the appends then count as written."""
+    def _send(self, entries: list[_Entry]) -> list[streams.Appended]:
+        """The entries in one round trip. A Redis outage loses the live text, never the reply (the node
+        stores it in Postgres), as `streams.publish_or_log` does: the appends then count as written."""
         try:
             try:
-                return self._pipelined(batch)
+                return self._pipelined(entries)
             except redis.exceptions.NoScriptError:  # Redis restarted and forgot the script
                 streams.load_scripts()
-                return self._pipelined(batch)
+                return self._pipelined(entries)
         except redis.RedisError as exc:
-            logger.debug("%d token events not streamed (%s)", len(batch), exc)
-            return [streams.Appended.WRITTEN] * len(batch)
+            logger.debug("%d token events not streamed (%s)", len(entries), exc)
+            return [streams.Appended.WRITTEN] * len(entries)
 
     @staticmethod
-    def _pipelined(batch: list[tuple[Appends, str]]) -> list[streams.Appended]:
+    def _pipelined(entries: list[_Entry]) -> list[streams.Appended]:
         ttl = settings.CHAT_STREAM_TTL_SECONDS
         pipe = streams.client().pipeline(transaction=False)
-        for appends, body in batch:
-            keys = streams.publish_keys(appends.turn_key)
-            pipe.evalsha(streams.publish_sha(), len(keys), *keys, body, appends.attempt, ttl)
+        for entry in entries:
+            keys = streams.publish_keys(entry.appends.turn_key)
+            pipe.evalsha(streams.publish_sha(), len(keys), *keys, entry.body(), entry.appends.attempt, ttl)
         return [streams.Appended(code) for code in pipe.execute()]
 
 
-_writer = StreamWriter()
+_writer: StreamWriter | None = None
+_writer_lock = threading.Lock()
 
 
 def writer() -> StreamWriter:
-    """The process's one writer (its thread starts with the first append)."""
+    """The process's one writer (made at its first use, once settings are read; its thread starts with the
+    first append)."""
+    global _writer
+    if _writer is None:
+        with _writer_lock:
+            if _writer is None:
+                _writer = StreamWriter()
     return _writer
