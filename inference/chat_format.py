@@ -35,6 +35,7 @@ class ChatFormat:
         self._marker = cache(self._tokenize_marker)
         self._count_one = lru_cache(maxsize=65536)(self._count_message)
         self._text_tokens = lru_cache(maxsize=65536)(self._tokenize_text)
+        self._display_pieces: dict[int, bytes] = {}  # at most the vocabulary
         single = [ids[0] for ids in map(self._marker, spec.stop) if len(ids) == 1]
         self.stop_token_ids = frozenset({tokenizer.token_eos(), *single})
 
@@ -46,8 +47,16 @@ class ChatFormat:
         return tuple(self._tokenizer.tokenize(marker.encode(), add_bos=False, special=True))
 
     def display(self, tokens: Sequence[int]) -> str:
-        """The tokens as text with the template markers visible (for inspecting a prompt)."""
-        return self._tokenizer.detokenize(list(tokens), special=True).decode("utf-8", errors="replace")
+        """The tokens as text with the template markers visible (for inspecting a prompt), from each token's
+        piece, read from llama.cpp once per token id: llama-cpp-python's `detokenize` makes a C call per token
+        (a GIL hand-over each, beside the engine thread) for every token of every prompt recorded."""
+        pieces = self._display_pieces
+        text = b"".join([pieces[t] if t in pieces else self._display_piece(t) for t in tokens])
+        return text.decode("utf-8", errors="replace")
+
+    def _display_piece(self, token: int) -> bytes:
+        piece = self._display_pieces[token] = self._tokenizer.detokenize([token], special=True)
+        return piece
 
     def text_tokens(self, text: str) -> list[int]:
         """Tokens for text a person or the model wrote: special-token syntax stays plain text. Cached: every

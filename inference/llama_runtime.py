@@ -47,6 +47,7 @@ class LlamaRuntime:
         model_params.use_extra_bufts = not config.BATCH_INVARIANT
         self.model_file = config.model_file()
         self.model = LlamaModel(path_model=str(self.model_file.path), params=model_params, verbose=False)
+        self._pieces: dict[int, bytes] = {}
         threads = config.N_THREADS or os.cpu_count() or 1
         self.batch_capacity = max(config.step_token_budget, config.MAX_CONCURRENT)
         ctx_params = llama_cpp.llama_context_default_params()
@@ -101,7 +102,10 @@ class LlamaRuntime:
         return self.model.token_eos()
 
     def piece(self, token: int) -> bytes:
-        return self.model.detokenize([token])
+        """A sampled token's text (llama.cpp's piece, read once per token id)."""
+        if (piece := self._pieces.get(token)) is None:
+            piece = self._pieces[token] = self.model.detokenize([token])
+        return piece
 
     def detokenize(self, tokens: Sequence[int], special: bool = False) -> bytes:
         return self.model.detokenize(list(tokens), special=special)

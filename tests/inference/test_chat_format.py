@@ -158,6 +158,19 @@ def test_typed_special_tokens_stay_text(packaged):
     assert packaged.display(text_tokens) == injection
 
 
+def test_display_from_cached_pieces_is_llama_cpps_own_detokenization(packaged):
+    """`display` joins each token's piece, read once: the same bytes as llama.cpp's detokenize of the whole
+    prompt, characters split across tokens (🙂, 日本) included, on a first read and from the cache."""
+    for messages in conversations(4, 20, padded=False):
+        tokens = packaged.render(messages)
+        expected = packaged._tokenizer.detokenize(tokens, special=True).decode("utf-8", errors="replace")
+        assert packaged.display(tokens) == expected
+        assert packaged.display(tokens) == expected
+        assert "".join(packaged.display([t]) for t in tokens[:50]) == "".join(
+            packaged._tokenizer.detokenize([t], special=True).decode("utf-8", errors="replace") for t in tokens[:50]
+        )
+
+
 def test_follow_up_prompt_extends_previous_prompt_and_reply_exactly(packaged):
     first = [ChatMessage(role="system", text="Be brief."), ChatMessage(role="user", text="Capital of France?")]
     reply_ids = tuple(packaged.text_tokens(" Paris, of course.")) + tuple(packaged._marker(packaged.spec.stop[0]))
