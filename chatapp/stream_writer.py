@@ -82,10 +82,12 @@ class StreamWriter:
             self._ready.notify()
 
     def flush(self, appends: Appends, timeout: float = FLUSH_TIMEOUT_S) -> bool:
-        """Send what is queued now, and wait until the attempt's appends are all answered; False on timeout."""
-        with self._ready:
-            self._urgent = True
-            self._ready.notify()
+        """Send what is queued now, and wait until the attempt's appends are all answered; False on timeout.
+        An attempt with nothing queued hurries no one else's text."""
+        if appends.queued:
+            with self._ready:
+                self._urgent = True
+                self._ready.notify()
         return appends.wait_written(timeout)
 
     def _run(self) -> None:
