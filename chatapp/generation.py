@@ -3,7 +3,6 @@ finish. Every write goes through `chatapp.turns.lifecycle`, under the attempt th
 
 import dataclasses
 import logging
-import time
 from typing import TYPE_CHECKING
 
 from chatapp import stream_writer, streams
@@ -18,10 +17,6 @@ if TYPE_CHECKING:
     from inference.types import Sampling
 
 logger = logging.getLogger(__name__)
-# How long a token's append answers "was a stop asked?". Appends are answered every CHAT_STREAM_INTERVAL_MS
-# while tokens flow, so a stop is seen within it; a reply that pauses longer (a long prompt step beside it)
-# reads the flag.
-ANSWER_FRESH_S = 0.5
 
 
 def turn_generate(*, turn_id: int, attempt: int, engine: "Engine", node: str, incarnation: str) -> None:
@@ -69,39 +64,34 @@ class _TokenStream:
     replies' tokens), until a later attempt owns the stream or a reader asks the turn to stop.
 
     Each append also answers whether a stop was asked, and the next piece of text passes that answer to
-    the engine, so while tokens flow a stop costs no read of Redis. Until the first answer, and in a pause
-    of over ANSWER_FRESH_S, the waiting thread's polls (`should_stop`) read the flag."""
+    the engine, so while tokens flow a stop costs no read of Redis. Until the first answer, and in a
+    pause, the writer reads the attempt's cancel flag with the other replies' text (`StreamWriter.watch`):
+    the waiting thread's polls (`should_stop`) read no Redis of their own."""
 
     def __init__(self, turn: Turn) -> None:
         self.turn = turn
         self.appends = stream_writer.Appends(turn.stream_name, turn.attempt)
-        self.stop_read = False
+        self.watched = False
 
     def publish(self, text: str) -> bool:
         """On the engine thread: queue the text for the stream; False once an answer said to stop."""
-        answer = self.appends.answer
-        if answer is not streams.Appended.SUPERSEDED:
+        if self.appends.answer is not streams.Appended.SUPERSEDED:
             stream_writer.writer().append(self.appends, text)
-        return not _says_stop(answer)
+        return not self.appends.says_stop
 
     def should_stop(self) -> bool:
-        answer = self.appends.answer
-        if _says_stop(answer) or self.stop_read:
-            return True
-        if answer is None or time.monotonic() - self.appends.answered_at >= ANSWER_FRESH_S:
-            self.stop_read = streams.cancel_requested(self.turn.stream_name)
-        return self.stop_read
+        """Polled by the waiting thread from the engine's submit on; the first poll starts the watch."""
+        if not self.watched:
+            stream_writer.writer().watch(self.appends)
+            self.watched = True
+        return self.appends.says_stop
 
     def wait_written(self) -> None:
         """Send the tokens still queued, and wait until they are on the stream, so that the turn's end (or
         error) event comes after them."""
+        stream_writer.writer().unwatch(self.appends)
         if not stream_writer.writer().flush(self.appends):
             logger.warning("turn %s: tokens still not streamed after %ss", self.turn.pk, stream_writer.FLUSH_TIMEOUT_S)
-
-
-def _says_stop(answer: streams.Appended | None) -> bool:
-    """An append's answer that ends the attempt: a later attempt owns the stream, or a stop was asked."""
-    return answer is streams.Appended.SUPERSEDED or answer is streams.Appended.STOP_ASKED
 
 
 def _summarize_after(*, turn: Turn, engine: "Engine") -> None:

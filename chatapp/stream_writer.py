@@ -12,6 +12,12 @@ reply's end waits for the interval.
 
 Appends keep their order (one queue, one writer); each answers, when its batch comes back, what
 `streams.publish` answers: written, a stop asked, or a later attempt owning the stream.
+
+The writer also answers "was a stop asked?" for the attempts it watches that have no append in flight: one
+waiting for its first token (its prompt is still being computed), or one paused beside a long step. Every
+STOP_CHECK_S it reads their cancel flags, all in one round trip with whatever text goes then. Before, each
+waiting task thread read its own flag, a round trip every 0.1 s per turn until its first token: about a
+third of a node's CPU per turn outside llama.cpp.
 """
 
 import json
@@ -28,6 +34,7 @@ from chatapp import streams
 
 logger = logging.getLogger(__name__)
 FLUSH_TIMEOUT_S = 10
+STOP_CHECK_S = 0.1  # how stale an attempt's last word from Redis may get before its cancel flag is read
 
 
 @dataclass(eq=False)
@@ -37,7 +44,8 @@ class Appends:
     turn_key: str
     attempt: int
     answer: streams.Appended | None = None
-    answered_at: float = 0.0  # time.monotonic() of the answer
+    answered_at: float = 0.0  # time.monotonic() of the latest answer, or of the latest read of its flag
+    stop_asked: bool = False  # its cancel flag was found set (`StreamWriter.watch`)
     queued: int = 0
     _done: threading.Condition = field(default_factory=threading.Condition, repr=False)
 
@@ -45,6 +53,11 @@ class Appends:
         """Until every append queued so far has been sent (or given up on); False on timeout."""
         with self._done:
             return self._done.wait_for(lambda: self.queued == 0, timeout)
+
+    @property
+    def says_stop(self) -> bool:
+        """The attempt must end: a stop was asked, or a later attempt owns the stream."""
+        return self.stop_asked or self.answer in (streams.Appended.STOP_ASKED, streams.Appended.SUPERSEDED)
 
 
 @dataclass
@@ -65,6 +78,7 @@ class StreamWriter:
         self._ready = threading.Condition()
         self._urgent = False  # send without waiting out the interval
         self._sent_at = 0.0
+        self._watched: set[Appends] = set()
         self._thread: threading.Thread | None = None
 
     def append(self, appends: Appends, text: str) -> None:
@@ -76,10 +90,26 @@ class StreamWriter:
         with self._ready:
             self._queue.append((appends, text))
             self._urgent = self._urgent or first
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="stream-writer", daemon=True)
-                self._thread.start()
+            self._start()
             self._ready.notify()
+
+    def watch(self, appends: Appends) -> None:
+        """Keep `appends.stop_asked` current until `unwatch`: its cancel flag is read at once, then whenever
+        nothing from Redis has answered for the attempt in STOP_CHECK_S."""
+        with self._ready:
+            appends.answered_at = 0.0
+            self._watched.add(appends)
+            self._start()
+            self._ready.notify()
+
+    def unwatch(self, appends: Appends) -> None:
+        with self._ready:
+            self._watched.discard(appends)
+
+    def _start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="stream-writer", daemon=True)
+            self._thread.start()
 
     def flush(self, appends: Appends, timeout: float = FLUSH_TIMEOUT_S) -> bool:
         """Send what is queued now, and wait until the attempt's appends are all answered; False on timeout.
@@ -93,48 +123,69 @@ class StreamWriter:
     def _run(self) -> None:
         while True:
             with self._ready:
-                self._ready.wait_for(lambda: bool(self._queue))
-                if (wait := self._sent_at + self.interval_s - time.monotonic()) > 0:
-                    self._ready.wait_for(lambda: self._urgent, wait)
-                self._urgent = False
-                batch = [self._queue.popleft() for _ in range(len(self._queue))]
+                batch, checked = self._next()
             self._sent_at = time.monotonic()
             entries: dict[Appends, _Entry] = {}
             for appends, text in batch:
                 entries.setdefault(appends, _Entry(appends)).texts.append(text)
+            checked = [appends for appends in checked if appends not in entries]  # its append answers it
             try:
-                answers = self._send(list(entries.values()))
+                answers, stops = self._send(list(entries.values()), checked)
             except Exception:  # the writer must outlive a bad batch, or every later turn waits on it
                 logger.exception("%d token events not streamed", len(batch))
-                answers = [streams.Appended.WRITTEN] * len(entries)
+                answers, stops = [streams.Appended.WRITTEN] * len(entries), [False] * len(checked)
+            now = time.monotonic()
             for entry, answer in zip(entries.values(), answers, strict=True):
                 appends = entry.appends
                 with appends._done:
                     appends.answer, appends.queued = answer, appends.queued - len(entry.texts)
-                    appends.answered_at = time.monotonic()
+                    appends.answered_at = now
                     appends._done.notify_all()
+            for appends, stop in zip(checked, stops, strict=True):
+                appends.stop_asked = appends.stop_asked or stop
+                appends.answered_at = now
 
-    def _send(self, entries: list[_Entry]) -> list[streams.Appended]:
-        """The entries in one round trip. A Redis outage loses the live text, never the reply (the node
-        stores it in Postgres), as `streams.publish_or_log` does: the appends then count as written."""
+    def _next(self) -> tuple[list[tuple[Appends, str]], list[Appends]]:
+        """Under `_ready`: wait until there is text to send (and its interval is out, unless it is urgent) or
+        a watched attempt's flag is due; then take the queued text and the watched attempts due by then."""
+        while not self._queue:
+            wake = min((appends.answered_at + STOP_CHECK_S for appends in self._watched), default=None)
+            if wake is not None and wake <= time.monotonic():
+                break
+            self._ready.wait(None if wake is None else wake - time.monotonic())
+        if self._queue and (wait := self._sent_at + self.interval_s - time.monotonic()) > 0:
+            self._ready.wait_for(lambda: self._urgent, wait)
+        self._urgent = False
+        batch = [self._queue.popleft() for _ in range(len(self._queue))]
+        due = time.monotonic() - STOP_CHECK_S
+        return batch, [appends for appends in self._watched if appends.answered_at <= due]
+
+    def _send(self, entries: list[_Entry], checked: list[Appends]) -> tuple[list[streams.Appended], list[bool]]:
+        """The entries, and the cancel flags of `checked`, in one round trip. A Redis outage loses the live
+        text, never the reply (the node stores it in Postgres), as `streams.publish_or_log` does: the appends
+        then count as written, and no stop as asked (the turn goes on)."""
         try:
             try:
-                return self._pipelined(entries)
+                return self._pipelined(entries, checked)
             except redis.exceptions.NoScriptError:  # Redis restarted and forgot the script
                 streams.load_scripts()
-                return self._pipelined(entries)
+                return self._pipelined(entries, checked)
         except redis.RedisError as exc:
             logger.debug("%d token events not streamed (%s)", len(entries), exc)
-            return [streams.Appended.WRITTEN] * len(entries)
+            return [streams.Appended.WRITTEN] * len(entries), [False] * len(checked)
 
     @staticmethod
-    def _pipelined(entries: list[_Entry]) -> list[streams.Appended]:
+    def _pipelined(entries: list[_Entry], checked: list[Appends]) -> tuple[list[streams.Appended], list[bool]]:
         ttl = settings.CHAT_STREAM_TTL_SECONDS
         pipe = streams.client().pipeline(transaction=False)
         for entry in entries:
             keys = streams.publish_keys(entry.appends.turn_key)
             pipe.evalsha(streams.publish_sha(), len(keys), *keys, entry.body(), entry.appends.attempt, ttl)
-        return [streams.Appended(code) for code in pipe.execute()]
+        for appends in checked:
+            pipe.exists(streams.cancel_key(appends.turn_key))
+        replies = pipe.execute()
+        answers = [streams.Appended(code) for code in replies[: len(entries)]]
+        return answers, [bool(found) for found in replies[len(entries) :]]
 
 
 _writer: StreamWriter | None = None

@@ -200,14 +200,6 @@ def request_cancel(turn_key: str) -> None:
     client().set(cancel_key(turn_key), "1", ex=settings.CHAT_STREAM_TTL_SECONDS)
 
 
-def cancel_requested(turn_key: str) -> bool:
-    """Whether the turn's reader asked it to stop; False while Redis is unreachable (it goes on)."""
-    try:
-        return bool(client().exists(cancel_key(turn_key)))
-    except redis.RedisError:
-        return False
-
-
 _async_clients: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aioredis.Redis]" = weakref.WeakKeyDictionary()
 
 

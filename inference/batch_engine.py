@@ -31,8 +31,8 @@ from inference.types import FinishReason, Generation, NodeStats, Sampling, check
 
 logger = logging.getLogger(__name__)
 
-# How often a waiting caller polls its `should_stop` (a Redis read for a turn) until its first token, and
-# after it: while text flows, each `on_text` answer carries a stop, so the polls only cover a long pause.
+# How often a waiting caller polls its `should_stop` until its first token, and after it: while text flows,
+# each `on_text` answer carries a stop, so the polls only cover a long pause.
 CANCEL_POLL_S = 0.1
 STREAMING_POLL_S = 0.5
 # How often the engine looks for an idle session to write to the disk tier.

@@ -1,11 +1,13 @@
 """The node's batched token appends, on the real Redis: order kept per turn, each append answered as
 `streams.publish` answers, the texts of an interval joined into one entry (a reply's first text and a
-flush sent at once), and a Redis that forgot the script (a restart) written to all the same."""
+flush sent at once), a watched attempt told of a stop before it has text, and a Redis that forgot the
+script (a restart) written to all the same."""
 
+import time
 import uuid
 
 from chatapp import streams
-from chatapp.stream_writer import Appends, StreamWriter
+from chatapp.stream_writer import STOP_CHECK_S, Appends, StreamWriter
 
 
 def _turn() -> str:
@@ -53,6 +55,28 @@ def test_an_answer_says_a_stop_was_asked_or_a_later_attempt_owns_the_stream():
     assert stopped.answer is streams.Appended.STOP_ASKED
     assert replaced.answer is streams.Appended.SUPERSEDED
     assert streams.read_all(replaced.turn_key) == []
+
+
+def _until(condition, timeout: float = 10) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return condition()
+
+
+def test_a_watched_attempt_with_no_text_yet_learns_of_a_stop_from_the_writer():
+    writer = StreamWriter(interval_s=60)
+    waiting, other = Appends(_turn(), attempt=0), Appends(_turn(), attempt=0)
+    writer.watch(waiting)
+    writer.watch(other)
+    streams.request_cancel(waiting.turn_key)
+    assert _until(lambda: waiting.says_stop)
+    assert not other.says_stop and waiting.answer is None  # a read of the flag, not an append
+    assert streams.read_all(waiting.turn_key) == []
+    writer.unwatch(other)
+    streams.request_cancel(other.turn_key)
+    time.sleep(5 * STOP_CHECK_S)
+    assert not other.says_stop  # no longer read
 
 
 def test_a_redis_that_forgot_the_script_is_written_to_after_loading_it_again():
