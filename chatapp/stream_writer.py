@@ -14,8 +14,9 @@ Appends keep their order (one queue, one writer); each answers, when its batch c
 `streams.publish` answers: written, a stop asked, or a later attempt owning the stream.
 
 The writer also answers "was a stop asked?" for the attempts it watches that have no append in flight: one
-waiting for its first token (its prompt is still being computed), or one paused beside a long step. Every
-STOP_CHECK_S it reads their cancel flags, all in one round trip with whatever text goes then. Before, each
+waiting for its first token (its prompt is still being computed), every STOP_CHECK_S, or one paused beside
+a long step, every PAUSE_CHECK_S. It reads their cancel flags all in one round trip, with whatever text
+goes then. Before, each
 waiting task thread read its own flag, a round trip every 0.1 s per turn until its first token: about a
 third of a node's CPU per turn outside llama.cpp.
 """
@@ -34,7 +35,11 @@ from chatapp import streams
 
 logger = logging.getLogger(__name__)
 FLUSH_TIMEOUT_S = 10
-STOP_CHECK_S = 0.1  # how stale an attempt's last word from Redis may get before its cancel flag is read
+# How stale a watched attempt's last word from Redis may get before its cancel flag is read: before its
+# first append, and once it has appended (its appends answer every interval while text flows; only a pause
+# beside a long step outlasts this).
+STOP_CHECK_S = 0.1
+PAUSE_CHECK_S = 0.5
 
 
 @dataclass(eq=False)
@@ -53,6 +58,10 @@ class Appends:
         """Until every append queued so far has been sent (or given up on); False on timeout."""
         with self._done:
             return self._done.wait_for(lambda: self.queued == 0, timeout)
+
+    def check_due(self) -> float:
+        """When its cancel flag is next to be read, if it is watched (time.monotonic())."""
+        return self.answered_at + (STOP_CHECK_S if self.answer is None else PAUSE_CHECK_S)
 
     @property
     def says_stop(self) -> bool:
@@ -95,7 +104,7 @@ class StreamWriter:
 
     def watch(self, appends: Appends) -> None:
         """Keep `appends.stop_asked` current until `unwatch`: its cancel flag is read at once, then whenever
-        nothing from Redis has answered for the attempt in STOP_CHECK_S."""
+        nothing from Redis has answered for the attempt in STOP_CHECK_S (PAUSE_CHECK_S once it has text)."""
         with self._ready:
             appends.answered_at = 0.0
             self._watched.add(appends)
@@ -149,7 +158,7 @@ class StreamWriter:
         """Under `_ready`: wait until there is text to send (and its interval is out, unless it is urgent) or
         a watched attempt's flag is due; then take the queued text and the watched attempts due by then."""
         while not self._queue:
-            wake = min((appends.answered_at + STOP_CHECK_S for appends in self._watched), default=None)
+            wake = min((appends.check_due() for appends in self._watched), default=None)
             if wake is not None and wake <= time.monotonic():
                 break
             self._ready.wait(None if wake is None else wake - time.monotonic())
@@ -157,8 +166,8 @@ class StreamWriter:
             self._ready.wait_for(lambda: self._urgent, wait)
         self._urgent = False
         batch = [self._queue.popleft() for _ in range(len(self._queue))]
-        due = time.monotonic() - STOP_CHECK_S
-        return batch, [appends for appends in self._watched if appends.answered_at <= due]
+        now = time.monotonic()
+        return batch, [appends for appends in self._watched if appends.check_due() <= now]
 
     def _send(self, entries: list[_Entry], checked: list[Appends]) -> tuple[list[streams.Appended], list[bool]]:
         """The entries, and the cancel flags of `checked`, in one round trip. A Redis outage loses the live
