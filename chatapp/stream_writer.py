@@ -156,7 +156,8 @@ class StreamWriter:
 
     def _next(self) -> tuple[list[tuple[Appends, str]], list[Appends]]:
         """Under `_ready`: wait until there is text to send (and its interval is out, unless it is urgent) or
-        a watched attempt's flag is due; then take the queued text and the watched attempts due by then."""
+        a watched attempt's flag is due; then take the queued text and the watched attempts due by then or
+        soon after (so that attempts that started apart share their reads, not one trip each)."""
         while not self._queue:
             wake = min((appends.check_due() for appends in self._watched), default=None)
             if wake is not None and wake <= time.monotonic():
@@ -166,8 +167,8 @@ class StreamWriter:
             self._ready.wait_for(lambda: self._urgent, wait)
         self._urgent = False
         batch = [self._queue.popleft() for _ in range(len(self._queue))]
-        now = time.monotonic()
-        return batch, [appends for appends in self._watched if appends.check_due() <= now]
+        soon = time.monotonic() + STOP_CHECK_S / 2  # those due before the next check come now, in the same trip
+        return batch, [appends for appends in self._watched if appends.check_due() <= soon]
 
     def _send(self, entries: list[_Entry], checked: list[Appends]) -> tuple[list[streams.Appended], list[bool]]:
         """The entries, and the cancel flags of `checked`, in one round trip. A Redis outage loses the live
