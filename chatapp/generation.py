@@ -3,6 +3,7 @@ finish. Every write goes through `chatapp.turns.lifecycle`, under the attempt th
 
 import dataclasses
 import logging
+import threading
 from typing import TYPE_CHECKING
 
 from chatapp import stream_writer, streams
@@ -41,7 +42,7 @@ def turn_generate(*, turn_id: int, attempt: int, engine: "Engine", node: str, in
                 prompt=prompt.tokens,
                 sampling=sampling,
                 on_text=tokens.publish,
-                should_stop=tokens.should_stop,
+                stop=tokens.watched(),
             )
         finally:
             tokens.wait_written()
@@ -63,32 +64,28 @@ class _TokenStream:
     """The attempt's tokens onto its stream (through the node's `stream_writer`, batched with the other
     replies' tokens), until a later attempt owns the stream or a reader asks the turn to stop.
 
-    Each append also answers whether a stop was asked, and the next piece of text passes that answer to
-    the engine, so while tokens flow a stop costs no read of Redis. Until the first answer, and in a
-    pause, the writer reads the attempt's cancel flag with the other replies' text (`StreamWriter.watch`):
-    the waiting thread's polls (`should_stop`) read no Redis of their own."""
+    The node's stream writer tells the engine to stop the attempt (`Appends.stopped`): from an append's
+    answer while tokens flow, and, before the first token or in a pause, from its own read of the turn's
+    cancel flag, with the other replies' text. No thread of the turn's polls Redis, or wakes to poll."""
 
     def __init__(self, turn: Turn) -> None:
         self.turn = turn
         self.appends = stream_writer.Appends(turn.stream_name, turn.attempt)
-        self.watched = False
+
+    def watched(self) -> threading.Event:
+        """The event the engine ends the attempt on, watched by the writer from now until `wait_written`."""
+        stream_writer.writer().watch(self.appends)
+        return self.appends.stopped
 
     def publish(self, text: str) -> bool:
-        """On the engine thread: queue the text for the stream; False once an answer said to stop."""
+        """On the engine thread: queue the text for the stream; False once the attempt must end."""
         if self.appends.answer is not streams.Appended.SUPERSEDED:
             stream_writer.writer().append(self.appends, text)
-        return not self.appends.says_stop
-
-    def should_stop(self) -> bool:
-        """Polled by the waiting thread from the engine's submit on; the first poll starts the watch."""
-        if not self.watched:
-            stream_writer.writer().watch(self.appends)
-            self.watched = True
-        return self.appends.says_stop
+        return not self.appends.stopped.is_set()
 
     def wait_written(self) -> None:
-        """Send the tokens still queued, and wait until they are on the stream, so that the turn's end (or
-        error) event comes after them."""
+        """Stop watching; send the tokens still queued, and wait until they are on the stream, so that the
+        turn's end (or error) event comes after them."""
         stream_writer.writer().unwatch(self.appends)
         if not stream_writer.writer().flush(self.appends):
             logger.warning("turn %s: tokens still not streamed after %ss", self.turn.pk, stream_writer.FLUSH_TIMEOUT_S)

@@ -50,7 +50,7 @@ class Appends:
     attempt: int
     answer: streams.Appended | None = None
     answered_at: float = 0.0  # time.monotonic() of the latest answer, or of the latest read of its flag
-    stop_asked: bool = False  # its cancel flag was found set (`StreamWriter.watch`)
+    stopped: threading.Event = field(default_factory=threading.Event)  # set once the attempt must end
     queued: int = 0
     _done: threading.Condition = field(default_factory=threading.Condition, repr=False)
 
@@ -62,11 +62,6 @@ class Appends:
     def check_due(self) -> float:
         """When its cancel flag is next to be read, if it is watched (time.monotonic())."""
         return self.answered_at + (STOP_CHECK_S if self.answer is None else PAUSE_CHECK_S)
-
-    @property
-    def says_stop(self) -> bool:
-        """The attempt must end: a stop was asked, or a later attempt owns the stream."""
-        return self.stop_asked or self.answer in (streams.Appended.STOP_ASKED, streams.Appended.SUPERSEDED)
 
 
 @dataclass
@@ -103,8 +98,9 @@ class StreamWriter:
             self._ready.notify()
 
     def watch(self, appends: Appends) -> None:
-        """Keep `appends.stop_asked` current until `unwatch`: its cancel flag is read at once, then whenever
-        nothing from Redis has answered for the attempt in STOP_CHECK_S (PAUSE_CHECK_S once it has text)."""
+        """Set `appends.stopped` once its turn's reader asks it to stop, until `unwatch`: its cancel flag is
+        read at once, then whenever nothing from Redis has answered for the attempt in STOP_CHECK_S
+        (PAUSE_CHECK_S once it has text). An append's answer that says stop sets it too."""
         with self._ready:
             appends.answered_at = 0.0
             self._watched.add(appends)
@@ -150,9 +146,12 @@ class StreamWriter:
                     appends.answer, appends.queued = answer, appends.queued - len(entry.texts)
                     appends.answered_at = now
                     appends._done.notify_all()
+                if answer in (streams.Appended.STOP_ASKED, streams.Appended.SUPERSEDED):
+                    appends.stopped.set()
             for appends, stop in zip(checked, stops, strict=True):
-                appends.stop_asked = appends.stop_asked or stop
                 appends.answered_at = now
+                if stop:
+                    appends.stopped.set()
 
     def _next(self) -> tuple[list[tuple[Appends, str]], list[Appends]]:
         """Under `_ready`: wait until there is text to send (and its interval is out, unless it is urgent) or

@@ -31,10 +31,6 @@ from inference.types import FinishReason, Generation, NodeStats, Sampling, check
 
 logger = logging.getLogger(__name__)
 
-# How often a waiting caller polls its `should_stop` until its first token, and after it: while text flows,
-# each `on_text` answer carries a stop, so the polls only cover a long pause.
-CANCEL_POLL_S = 0.1
-STREAMING_POLL_S = 0.5
 # How often the engine looks for an idle session to write to the disk tier.
 WRITE_BEHIND_INTERVAL_S = 0.2
 
@@ -89,19 +85,20 @@ class BatchEngine:
         session_key: str,
         prompt: Sequence[int],
         sampling: Sampling,
-        cancelled: bool = False,
         on_text: Callable[[str], bool] | None = None,
+        stop: threading.Event | None = None,
     ) -> Request:
-        """Queue a request for the engine thread; `cancelled` queues it already stopped (it ends at admission).
-        `on_text` is as in `generate`."""
+        """Queue a request for the engine thread; `on_text` and `stop` are as in `generate` (one already set
+        ends the request at admission)."""
         check_fits(len(prompt), sampling.max_tokens, self.n_ctx)
         if not prompt:
             raise ValueError("The prompt is empty.")
-        if self.disk is not None and not cancelled and not self.sessions.holds(session_key):
+        stop = threading.Event() if stop is None else stop
+        if self.disk is not None and not stop.is_set() and not self.sessions.holds(session_key):
             self.disk.prefetch(session_key)  # the file is read here, off the engine thread
-        request = Request(session_key=session_key, prompt=list(prompt), sampling=sampling, on_text=on_text)
-        if cancelled:
-            request.cancel()
+        request = Request(
+            session_key=session_key, prompt=list(prompt), sampling=sampling, on_text=on_text, cancelled=stop
+        )
         self._inbox.put(request)
         return request
 
@@ -112,30 +109,21 @@ class BatchEngine:
         prompt: Sequence[int],
         sampling: Sampling,
         on_text: Callable[[str], bool] | None = None,
-        should_stop: Callable[[], bool] | None = None,
+        stop: threading.Event | None = None,
     ) -> Generation:
         """Submit and wait for the result.
 
         `on_text` gets each piece of the reply as it is sampled, on the engine thread: it must be quick and
         never block, and it answers whether to go on (False stops the request at the next step). Handing
-        text over there costs no wake-up of the waiting thread per token. `should_stop` is polled from the
-        waiting thread (it may block): every CANCEL_POLL_S until the first token, then every STREAMING_POLL_S.
+        text over there costs no wake-up of the waiting thread per token. `stop`, set from any thread, ends
+        the request at its next step: the engine thread reads it every step, so the waiting thread sleeps
+        until the result, with no polling (a timed wait costs CPU on the cores llama.cpp needs).
         """
-        stopped = bool(should_stop and should_stop())
-        request = self.submit(
-            session_key=session_key, prompt=prompt, sampling=sampling, cancelled=stopped, on_text=on_text
-        )
-        while True:
-            poll = STREAMING_POLL_S if request.first_token_at else CANCEL_POLL_S
-            try:
-                kind, payload = request.events.get(timeout=poll if should_stop else None)
-            except queue.Empty:
-                if should_stop and not request.cancelled.is_set() and should_stop():
-                    request.cancel()
-                continue
-            if kind == "done":
-                return payload
-            raise payload  # "error"
+        request = self.submit(session_key=session_key, prompt=prompt, sampling=sampling, on_text=on_text, stop=stop)
+        kind, payload = request.events.get()
+        if kind == "done":
+            return payload
+        raise payload  # "error"
 
     def stats(self) -> NodeStats:
         return self._stats

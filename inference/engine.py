@@ -33,7 +33,7 @@ class Engine(Protocol):
         prompt: Sequence[int],
         sampling: Sampling,
         on_text: Callable[[str], bool] | None = None,
-        should_stop: Callable[[], bool] | None = None,
+        stop: threading.Event | None = None,
     ) -> Generation: ...
 
     def stats(self) -> NodeStats: ...

@@ -52,16 +52,9 @@ def test_an_answer_says_a_stop_was_asked_or_a_later_attempt_owns_the_stream():
     writer.append(stopped, "a")
     writer.append(replaced, "stale")
     assert stopped.wait_written(timeout=10) and replaced.wait_written(timeout=10)
-    assert stopped.answer is streams.Appended.STOP_ASKED
-    assert replaced.answer is streams.Appended.SUPERSEDED
+    assert stopped.answer is streams.Appended.STOP_ASKED and stopped.stopped.is_set()
+    assert replaced.answer is streams.Appended.SUPERSEDED and replaced.stopped.is_set()
     assert streams.read_all(replaced.turn_key) == []
-
-
-def _until(condition, timeout: float = 10) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return condition()
 
 
 def test_a_watched_attempt_with_no_text_yet_learns_of_a_stop_from_the_writer():
@@ -70,13 +63,13 @@ def test_a_watched_attempt_with_no_text_yet_learns_of_a_stop_from_the_writer():
     writer.watch(waiting)
     writer.watch(other)
     streams.request_cancel(waiting.turn_key)
-    assert _until(lambda: waiting.says_stop)
-    assert not other.says_stop and waiting.answer is None  # a read of the flag, not an append
+    assert waiting.stopped.wait(timeout=10)
+    assert not other.stopped.is_set() and waiting.answer is None  # a read of the flag, not an append
     assert streams.read_all(waiting.turn_key) == []
     writer.unwatch(other)
     streams.request_cancel(other.turn_key)
     time.sleep(5 * STOP_CHECK_S)
-    assert not other.says_stop  # no longer read
+    assert not other.stopped.is_set()  # no longer read
 
 
 def test_a_redis_that_forgot_the_script_is_written_to_after_loading_it_again():
