@@ -13,12 +13,12 @@ reply's end waits for the interval.
 Appends keep their order (one queue, one writer); each answers, when its batch comes back, what
 `streams.publish` answers: written, a stop asked, or a later attempt owning the stream.
 
-The writer also answers "was a stop asked?" for the attempts it watches that have no append in flight: one
-waiting for its first token (its prompt is still being computed), every STOP_CHECK_S, or one paused beside
-a long step, every PAUSE_CHECK_S. It reads their cancel flags all in one round trip, with whatever text
-goes then. Before, each
-waiting task thread read its own flag, a round trip every 0.1 s per turn until its first token: about a
-third of a node's CPU per turn outside llama.cpp.
+It also tells the engine when an attempt must end (`Appends.stopped`, an event the engine reads every
+step): from an append's answer while text flows, and for the attempts it watches that have no append in
+flight, from its own read of their cancel flags, all in one round trip with whatever text goes then: one
+waiting for its first token (its prompt is still being computed) every STOP_CHECK_S, one paused beside a
+long step every PAUSE_CHECK_S. Before, each waiting task thread woke every 0.1 s and read its own flag
+until its first token: a timed wait and a round trip per turn per tenth of a second, beside llama.cpp.
 """
 
 import json
