@@ -74,6 +74,7 @@ class Command(BaseCommand):
                     f"--loglevel={loglevel}",
                     "--without-gossip",
                     "--without-mingle",
+                    "--without-heartbeat",  # Celery's worker events: no one reads them (the router has its own)
                 ]
             )
         finally:  # a clean shutdown: running turns are done; queued ones go elsewhere, or fail clearly
