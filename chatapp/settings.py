@@ -86,6 +86,15 @@ _db_options.setdefault("server_side_binding", env.bool("DB_SERVER_SIDE_BINDING",
 _db_options.setdefault("prepare_threshold", env.int("DB_PREPARE_THRESHOLD", default=2))
 if DB_POOL_SIZE:
     _db_options.setdefault("pool", {"min_size": 1, "max_size": DB_POOL_SIZE, "timeout": 30})
+# Postgres ends a session whose transaction waits this long for its next statement (0: never). A process
+# frozen mid-transaction (a paused VM, SIGSTOP) otherwise keeps its row locks for as long as it is frozen:
+# a node frozen inside its heartbeat kept its own row locked, and its peers' reaper, which skips locked
+# node rows, never marked it down, so its turns waited for it. No transaction here waits on anything but
+# Postgres between its statements.
+DB_IDLE_IN_TRANSACTION_TIMEOUT_S = env.float("DB_IDLE_IN_TRANSACTION_TIMEOUT_S", default=5.0)
+if DB_IDLE_IN_TRANSACTION_TIMEOUT_S:
+    _idle_option = f"-c idle_in_transaction_session_timeout={int(DB_IDLE_IN_TRANSACTION_TIMEOUT_S * 1000)}"
+    _db_options["options"] = f"{_db_options.get('options', '')} {_idle_option}".strip()
 # A connection kept from an earlier request is checked before it is lent (one empty round trip), so one
 # that a Postgres restart broke is replaced instead of failing the request that gets it.
 DATABASES["default"]["CONN_HEALTH_CHECKS"] = True

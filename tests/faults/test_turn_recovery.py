@@ -13,6 +13,7 @@ import time
 import uuid
 from urllib.parse import urlsplit
 
+import psycopg
 import pytest
 from django.db import connection
 from django.utils import timezone
@@ -210,6 +211,34 @@ def test_a_node_stalled_past_the_timeout_writes_nothing_once_replaced(test_datab
     finally:
         for process in processes.values():
             stop_node(process)
+
+
+def test_a_node_frozen_holding_its_row_lock_is_replaced_all_the_same(test_database):
+    """A process frozen mid-transaction keeps its row locks: a node frozen inside its heartbeat kept its own
+    row locked, and its peers' reaper, which skips locked node rows, never marked it down (found by the
+    stalled-node test above, when SIGSTOP landed inside a heartbeat). Postgres ends such a transaction after
+    DB_IDLE_IN_TRANSACTION_TIMEOUT_S."""
+    spare = f"spare-{uuid.uuid4().hex[:6]}"
+    process = start_node(spare, test_database)
+    try:
+        only_these_nodes(spare)
+        frozen = NodeFactory.create(name=f"frozen-{uuid.uuid4().hex[:6]}")  # up; no process reads its queue
+        conversation = ConversationFactory.create()
+        assignment_move(session_key=conversation.session_key, node_name=frozen.name)
+        turn = admission.turn_start(conversation=conversation, text="Hello!")
+        # The frozen node's heartbeat, as it froze: its row locked on a connection made as the product's are.
+        holder = psycopg.connect(**connection.get_connection_params())
+        try:
+            holder.execute(f"SELECT 1 FROM {Node._meta.db_table} WHERE name = %s FOR UPDATE", [frozen.name])
+            turn = wait_for_turn(turn, timeout=60)
+            assert (turn.status, turn.node, turn.attempt) == (Turn.Status.DONE, spare, 1)
+            assert Node.objects.get(name=frozen.name).status == Node.Status.UNRESPONSIVE
+            with pytest.raises(psycopg.errors.IdleInTransactionSessionTimeout):  # Postgres ended it
+                holder.execute("SELECT 1")
+        finally:
+            holder.close()  # else a failing run's lock would hold up the flush after it
+    finally:
+        stop_node(process)
 
 
 @pytest.mark.parametrize("with_spare", [True, False], ids=["handed-to-a-spare", "failed-with-no-spare"])
