@@ -89,8 +89,8 @@ if DB_POOL_SIZE:
 # Postgres ends a session whose transaction waits this long for its next statement (0: never). A process
 # frozen mid-transaction (a paused VM, SIGSTOP) otherwise keeps its row locks for as long as it is frozen:
 # a node frozen inside its heartbeat kept its own row locked, and its peers' reaper, which skips locked
-# node rows, never marked it down, so its turns waited for it. No transaction here waits on anything but
-# Postgres between its statements.
+# node rows, never marked it down, so its turns waited for it. No transaction here waits on Redis, Celery or
+# the model between its statements: those calls run outside, or on commit.
 DB_IDLE_IN_TRANSACTION_TIMEOUT_S = env.float("DB_IDLE_IN_TRANSACTION_TIMEOUT_S", default=5.0)
 if DB_IDLE_IN_TRANSACTION_TIMEOUT_S:
     _idle_option = f"-c idle_in_transaction_session_timeout={int(DB_IDLE_IN_TRANSACTION_TIMEOUT_S * 1000)}"
