@@ -128,10 +128,11 @@ def start_node(name: str, database: str, **env: str) -> subprocess.Popen:
     return process
 
 
-def stop_node(process: subprocess.Popen) -> None:
+def stop_node(process: subprocess.Popen, timeout: float = 20) -> None:
+    """SIGTERM (a warm shutdown: the node finishes what it runs), then SIGKILL after `timeout` seconds."""
     process.terminate()
     try:
-        process.wait(timeout=20)
+        process.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()

@@ -258,7 +258,9 @@ def test_a_clean_shutdown_hands_off_its_queued_turns(test_database, with_spare):
             turns.append(admission.turn_start(conversation=conversation, text=LONG_PROMPT, sampling=sampling))
         wait_until(lambda: Turn.objects.get(pk=turns[0].pk).status == Turn.Status.RUNNING, what="the first reply")
         Node.objects.filter(name__in=names[1:]).update(status=Node.Status.UP)
-        stop_node(processes.pop(leaving))  # SIGTERM: a warm shutdown
+        # SIGTERM: a warm shutdown, which waits for the 300-token reply. On a busy machine that takes longer
+        # than the usual 20 s, and a node killed mid-reply would fail the test for the wrong reason.
+        stop_node(processes.pop(leaving), timeout=90)
 
         first, *queued = [wait_for_turn(t, timeout=90) for t in turns]
         assert (first.status, first.node, first.attempt) == (Turn.Status.DONE, leaving, 0)  # finished before it left
