@@ -58,9 +58,10 @@ class Server:
 
 @dataclass(frozen=True)
 class Contender:
-    """One side of the comparison: `serving()` gives its server, up and idle, for one replay. A server that
-    stays up for the whole run (`running`) or one started afresh for each replay (another checkout's stack,
-    which must not share a database's nodes with this one's)."""
+    """One side of the comparison: `serving()` gives its server, up, warmed up and idle, for one replay. A
+    server that stays up for the whole run (`running`: llama-server, which does nothing while idle) or one
+    started afresh for each replay (this product's stack: its node's heartbeat and disk tier would otherwise
+    work during the other side's replays, and two stacks must not share a database's nodes)."""
 
     name: str
     serving: Callable[[], AbstractContextManager[Server]]
@@ -152,6 +153,16 @@ def chat_turn(server: Server, session: str, messages: list[dict], max_tokens: in
         cached_tokens=(reply.usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
         completion_tokens=reply.usage.get("completion_tokens", 0),
     )
+
+
+def warm_up(server: Server, session: str) -> None:
+    """One short turn before a server's first measured replay: a fresh server's one-off costs (a web process
+    reading the model's vocabulary, a node's first decode, llama-server's first request) are not the
+    replay's."""
+    try:
+        chat_turn(server, session, [{"role": "user", "content": "Hello!"}], max_tokens=8, ignore_eos=True)
+    except OSError as exc:
+        raise RuntimeError(f"{server.name}: the warm-up turn failed: {exc}") from exc
 
 
 def replay(

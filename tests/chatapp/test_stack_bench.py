@@ -21,6 +21,7 @@ from chatapp import quotas
 from chatapp.api.keys import api_key_create
 from chatapp.datasets import chitchat_conversations
 from chatapp.management.commands.bench_stack import LOG_DIR
+from chatapp.models import Turn
 from chatapp.stack_bench import (
     Server,
     check_same_prompts,
@@ -112,6 +113,10 @@ def test_an_ab_run_replays_the_same_sessions_through_a_stack_from_another_checko
 
     assert figures["against"] == str(baseline)
     assert "from the baseline" in (LOG_DIR / "baseline" / "node.log").read_text()
+    # Each fresh stack answered a warm-up turn before its replay, and the replay's figures do not count it.
+    warmed = Turn.objects.filter(conversation__api_session__endswith="-warm-up", status=Turn.Status.DONE)
+    sessions = warmed.values_list("conversation__api_session", flat=True)  # session:bench-<run>-<side>-...
+    assert sorted(session.split("-")[2] for session in sessions) == ["baseline", "stack"]
     for side in ("stack", "baseline"):
         assert figures[f"{side}_completion_tokens_2x2"] == 2 * 2 * 8
         assert figures[f"{side}_errors_2x2"] == 0

@@ -14,7 +14,16 @@ from django.core.management.base import BaseCommand, CommandError
 from chatapp import quotas
 from chatapp.api.keys import api_key_create
 from chatapp.datasets import chitchat_conversations
-from chatapp.stack_bench import RATIOS, Contender, Scenario, Server, compare, other_cpu_parts, summarise
+from chatapp.stack_bench import (
+    RATIOS,
+    Contender,
+    Scenario,
+    Server,
+    compare,
+    other_cpu_parts,
+    summarise,
+    warm_up,
+)
 from chatapp.stack_processes import Stack, free_port, wait_for_http
 from inference.benchmark import rounded
 from inference.config import EngineConfig
@@ -80,16 +89,16 @@ class Command(BaseCommand):
         user, _ = User.objects.get_or_create(username="benchstack")
         quotas.grant_unlimited_use(user)
         _, key = api_key_create(owner=user, name=f"bench_stack {run}")
-        stack = Stack(LOG_DIR)
+
+        def fresh(name: str, root: Path) -> Contender:
+            return Contender(name, partial(self._fresh_stack, name, root, run, key, model, o))
+
+        stack = Stack(LOG_DIR)  # llama-server's, up for the whole run
         try:
-            if baseline is None:
-                ours = Contender.running(self._stack_server(stack, "stack", f"bench-{run}", key, model, o))
-                theirs = Contender.running(self._llama_server(stack, model, o))
-            else:
-                ours, theirs = (
-                    Contender(name, partial(self._fresh_stack, name, root, run, key, model, o))
-                    for name, root in (("stack", Path(settings.BASE_DIR)), ("baseline", baseline))
-                )
+            ours = fresh("stack", Path(settings.BASE_DIR))
+            theirs = (
+                fresh("baseline", baseline) if baseline else Contender.running(self._llama_server(stack, model, o, run))
+            )
             results = compare(
                 ours,
                 theirs,
@@ -142,15 +151,19 @@ class Command(BaseCommand):
 
     @contextmanager
     def _fresh_stack(self, name: str, root: Path, run: str, key: str, model, o) -> Iterator[Server]:
-        """A stack from `root`'s checkout for one replay, stopped after it: two stacks on one database must
-        not be up at once, or either web could send a turn to the other's node."""
+        """A stack from `root`'s checkout for one replay, warmed up, and stopped after it: nothing of it runs
+        during the other side's replay (its node's heartbeat, the disk tier writing its idle sessions), and two
+        stacks on one database are never up at once (either web could send a turn to the other's node)."""
         stack = Stack(LOG_DIR / name, root=root)
         try:
-            yield self._stack_server(stack, name, f"bench-{run}-{name}-{uuid.uuid4().hex[:4]}", key, model, o)
+            node_name = f"bench-{run}-{name}-{uuid.uuid4().hex[:4]}"
+            server = self._stack_server(stack, name, node_name, key, model, o)
+            warm_up(server, f"{node_name}-warm-up")
+            yield server
         finally:
             stack.stop()
 
-    def _llama_server(self, stack: Stack, model, o) -> Server:
+    def _llama_server(self, stack: Stack, model, o, run: str) -> Server:
         """llama.cpp's own server on the same model, threads, slots and context, up and idle."""
         port = free_port()
         # A forced template family is one of llama.cpp's built-in templates: with Jinja on, llama-server would
@@ -171,7 +184,7 @@ class Command(BaseCommand):
             {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"},
         )
         wait_for_http(f"http://127.0.0.1:{port}/health", llama, LOG_DIR / "llama-server.log")
-        return Server(
+        server = Server(
             "llama-server",
             f"http://127.0.0.1:{port}",
             model.name,
@@ -180,6 +193,8 @@ class Command(BaseCommand):
             body={"repeat_penalty": REPEAT_PENALTY, "repeat_last_n": 64},
             compute_threads=o["threads"],
         )
+        warm_up(server, f"bench-{run}-llama-server-warm-up")
+        return server
 
     def _table(self, summary: dict, scenarios: list[Scenario], used: dict, other: str) -> None:
         self.stdout.write(", ".join(f"{k} {v}" for k, v in used.items()))
