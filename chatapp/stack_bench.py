@@ -58,10 +58,9 @@ class Server:
 
 @dataclass(frozen=True)
 class Contender:
-    """One side of the comparison: `serving()` gives its server, up, warmed up and idle, for one replay. A
-    server that stays up for the whole run (`running`: llama-server, which does nothing while idle) or one
-    started afresh for each replay (this product's stack: its node's heartbeat and disk tier would otherwise
-    work during the other side's replays, and two stacks must not share a database's nodes)."""
+    """One side of the comparison: `serving()` gives its server, up, warmed up and idle, for one replay. A server that
+    stays up for the whole run (`running`) or one started afresh for each replay (another checkout's stack,
+    which must not share a database's nodes with this one's)."""
 
     name: str
     serving: Callable[[], AbstractContextManager[Server]]

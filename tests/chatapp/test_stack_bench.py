@@ -113,7 +113,7 @@ def test_an_ab_run_replays_the_same_sessions_through_a_stack_from_another_checko
 
     assert figures["against"] == str(baseline)
     assert "from the baseline" in (LOG_DIR / "baseline" / "node.log").read_text()
-    # Each fresh stack answered a warm-up turn before its replay, and the replay's figures do not count it.
+    # Each side's stack answered a warm-up turn before its replay, and the replay's figures do not count it.
     warmed = Turn.objects.filter(conversation__api_session__endswith="-warm-up", status=Turn.Status.DONE)
     sessions = warmed.values_list("conversation__api_session", flat=True)  # session:bench-<run>-<side>-...
     assert sorted(session.split("-")[2] for session in sessions) == ["baseline", "stack"]

@@ -89,16 +89,16 @@ class Command(BaseCommand):
         user, _ = User.objects.get_or_create(username="benchstack")
         quotas.grant_unlimited_use(user)
         _, key = api_key_create(owner=user, name=f"bench_stack {run}")
-
-        def fresh(name: str, root: Path) -> Contender:
-            return Contender(name, partial(self._fresh_stack, name, root, run, key, model, o))
-
-        stack = Stack(LOG_DIR)  # llama-server's, up for the whole run
+        stack = Stack(LOG_DIR)
         try:
-            ours = fresh("stack", Path(settings.BASE_DIR))
-            theirs = (
-                fresh("baseline", baseline) if baseline else Contender.running(self._llama_server(stack, model, o, run))
-            )
+            if baseline is None:
+                ours = Contender.running(self._stack_server(stack, "stack", f"bench-{run}", key, model, o))
+                theirs = Contender.running(self._llama_server(stack, model, o))
+            else:
+                ours, theirs = (
+                    Contender(name, partial(self._fresh_stack, name, root, run, key, model, o))
+                    for name, root in (("stack", Path(settings.BASE_DIR)), ("baseline", baseline))
+                )
             results = compare(
                 ours,
                 theirs,
@@ -132,12 +132,16 @@ class Command(BaseCommand):
             "MAX_RESIDENT_SESSIONS": str(o["slots"]),
             "N_CTX": str(o["n_ctx"]),
             "REPEAT_PENALTY": str(REPEAT_PENALTY),
+            # Idle sessions go to the disk tier only when they must (spilled, drained, at a shutdown): the stack
+            # stays up through llama-server's replays, and writing its sessions then (96 files of 12-20 MB in a
+            # 32x10 run) took CPU from llama-server's side.
+            "KV_DISK_IDLE_S": "0",
         }
         node = stack.node(node_name, node_env, label="node", model=model.name)
         port = free_port()
         web = stack.web(port, PRODUCTION | {"CHAT_QUEUE_PER_SLOT": "4"})
         stack.wait_for_nodes(node_name, 1)
-        return Server(
+        server = Server(
             name,
             f"http://127.0.0.1:{port}",
             model.name,
@@ -148,22 +152,20 @@ class Command(BaseCommand):
             # Nothing else uses them during the replay: their CPU is the stack's.
             services=("postgres", "redis-server"),
         )
+        warm_up(server, f"{node_name}-warm-up")
+        return server
 
     @contextmanager
     def _fresh_stack(self, name: str, root: Path, run: str, key: str, model, o) -> Iterator[Server]:
-        """A stack from `root`'s checkout for one replay, warmed up, and stopped after it: nothing of it runs
-        during the other side's replay (its node's heartbeat, the disk tier writing its idle sessions), and two
-        stacks on one database are never up at once (either web could send a turn to the other's node)."""
+        """A stack from `root`'s checkout for one replay, stopped after it: two stacks on one database must
+        not be up at once, or either web could send a turn to the other's node."""
         stack = Stack(LOG_DIR / name, root=root)
         try:
-            node_name = f"bench-{run}-{name}-{uuid.uuid4().hex[:4]}"
-            server = self._stack_server(stack, name, node_name, key, model, o)
-            warm_up(server, f"{node_name}-warm-up")
-            yield server
+            yield self._stack_server(stack, name, f"bench-{run}-{name}-{uuid.uuid4().hex[:4]}", key, model, o)
         finally:
             stack.stop()
 
-    def _llama_server(self, stack: Stack, model, o, run: str) -> Server:
+    def _llama_server(self, stack: Stack, model, o) -> Server:
         """llama.cpp's own server on the same model, threads, slots and context, up and idle."""
         port = free_port()
         # A forced template family is one of llama.cpp's built-in templates: with Jinja on, llama-server would
@@ -193,7 +195,7 @@ class Command(BaseCommand):
             body={"repeat_penalty": REPEAT_PENALTY, "repeat_last_n": 64},
             compute_threads=o["threads"],
         )
-        warm_up(server, f"bench-{run}-llama-server-warm-up")
+        warm_up(server, "bench-llama-server-warm-up")
         return server
 
     def _table(self, summary: dict, scenarios: list[Scenario], used: dict, other: str) -> None:
