@@ -58,9 +58,9 @@ class Server:
 
 @dataclass(frozen=True)
 class Contender:
-    """One side of the comparison: `serving()` gives its server, up, warmed up and idle, for one replay. A server that
-    stays up for the whole run (`running`) or one started afresh for each replay (another checkout's stack,
-    which must not share a database's nodes with this one's)."""
+    """One side of the comparison: `serving()` gives its server, up, warmed up and idle, for one replay. A
+    server that stays up for the whole run (`running`) or one started afresh for each replay (another
+    checkout's stack, which must not share a database's nodes with this one's)."""
 
     name: str
     serving: Callable[[], AbstractContextManager[Server]]
