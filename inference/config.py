@@ -3,7 +3,7 @@ name (pydantic-settings). A value that is not of the field's type or out of its 
 start with a line naming the setting: `N_CTX=abc`, `MAX_CONCURRENT=0`."""
 
 from dataclasses import replace
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -54,6 +54,10 @@ class EngineConfig(BaseSettings):
     # The same output for a session whatever else is batched with it: turns off llama.cpp's repacked
     # CPU weights (measured here: 14% slower single-stream decoding, no change at 16 sequences).
     BATCH_INVARIANT: bool = True
+    # Flash attention: "auto" (llama.cpp decides when the context is made: on, on a CPU or a GPU), "on" or "off".
+    # Off decoded one SmolLM2 sequence 15-30% faster here at 300-700 tokens of context (llama-bench), but not
+    # bench_stack's batched replay (README, "Tried and not adopted").
+    FLASH_ATTN: Literal["auto", "on", "off"] = "auto"
     # Tokens per llama_decode step: one per decoding sequence, the rest prompts (`Scheduler.schedule`).
     # 0: 64 on a CPU, where a step costs about the same per token at any size and a small budget gives
     # first tokens sooner; 512 with layers on a GPU, where a large step costs little more than a small one.

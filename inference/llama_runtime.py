@@ -28,6 +28,13 @@ class BatchEntry:
     logits: bool
 
 
+FLASH_ATTN_TYPES = {
+    "auto": llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO,
+    "on": llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+    "off": llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+}
+
+
 class DecodeError(RuntimeError):
     pass
 
@@ -60,6 +67,7 @@ class LlamaRuntime:
         # Full-size sliding-window layers keep a prefix reusable after its window has slid past.
         ctx_params.kv_unified = config.KV_UNIFIED
         ctx_params.swa_full = True
+        ctx_params.flash_attn_type = FLASH_ATTN_TYPES[config.FLASH_ATTN]
         ctx_params.no_perf = True
         self.context = LlamaContext(model=self.model, params=ctx_params, verbose=False)
         self.ctx = self.context.ctx
@@ -70,6 +78,7 @@ class LlamaRuntime:
         self.n_vocab = self.model.n_vocab()
         self._batch = llama_cpp.llama_batch_init(self.batch_capacity, 0, 1)
         self._kv_unified = config.KV_UNIFIED
+        self._flash_attn = config.FLASH_ATTN
 
     def state_fingerprint(self) -> dict[str, object]:
         """What a saved sequence state depends on: the weights, llama.cpp's version and the KV layout."""
@@ -79,6 +88,8 @@ class LlamaRuntime:
             "n_ctx_seq": self.seq_capacity,
             "kv_unified": self._kv_unified,
             "swa_full": True,
+            # Flash attention stores V untransposed: a state saved with it on does not load with it off.
+            "flash_attn": self._flash_attn,
         }
 
     def close(self) -> None:

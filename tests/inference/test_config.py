@@ -18,6 +18,7 @@ from tests.conftest import ROOT
         ({"MAX_CONCURRENT": "0"}, "MAX_CONCURRENT='0': Input should be greater than or equal to 1"),
         ({"TOP_P": "1.5"}, "TOP_P='1.5': Input should be less than or equal to 1"),
         ({"KV_UNIFIED": "maybe"}, "KV_UNIFIED='maybe': Input should be a valid boolean"),
+        ({"FLASH_ATTN": "yes"}, "FLASH_ATTN='yes': Input should be 'auto', 'on' or 'off'"),
     ],
 )
 def test_a_bad_setting_is_named(monkeypatch, env, says):

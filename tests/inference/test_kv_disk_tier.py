@@ -96,18 +96,27 @@ def test_an_idle_session_is_written_behind_and_survives_a_crash(engines):
     assert other.generate(session_key="idle", prompt=prompt, sampling=GREEDY).cache_source == "other_node"
 
 
-def test_a_state_for_another_context_size_is_ignored_logged_and_deleted(engines, caplog):
+@pytest.mark.parametrize(
+    ("changed", "named"),
+    [
+        ({"N_CTX": 2048}, "n_ctx_seq"),
+        # Without flash attention llama.cpp keeps V transposed in the cache: a state from a context with it
+        # (llama.cpp's choice here) does not fit.
+        ({"FLASH_ATTN": "off"}, "flash_attn"),
+    ],
+)
+def test_a_state_for_another_context_layout_is_ignored_logged_and_deleted(engines, caplog, changed, named):
     first = engines("node-a")
-    prompt, _ = _conversation(first, "resized")
+    prompt, _ = _conversation(first, "relaid")
     first.close()
-    path = first.disk.path_for("resized")
+    path = first.disk.path_for("relaid")
     assert path.exists()
 
     with caplog.at_level(logging.WARNING, logger="inference.kv_disk"):
-        bigger = engines("node-a", N_CTX=2048)
+        other = engines("node-a", **changed)
     assert not path.exists()
-    assert "n_ctx_seq" in caplog.text
-    again = bigger.generate(session_key="resized", prompt=prompt, sampling=GREEDY)
+    assert named in caplog.text
+    again = other.generate(session_key="relaid", prompt=prompt, sampling=GREEDY)
     assert again.cache_source == "none" and again.cached_tokens == 0
 
 

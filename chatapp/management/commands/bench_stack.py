@@ -1,5 +1,6 @@
 import json
 import os
+import shlex
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -61,6 +62,15 @@ class Command(BaseCommand):
         parser.add_argument("--n-ctx", type=int, default=2048, help="Context per session (per slot).")
         parser.add_argument("--llama-server", default=str(LLAMA_SERVER), help="The binary (make llama-server).")
         parser.add_argument(
+            "--llama-server-args",
+            default="",
+            metavar="ARGS",
+            help=(
+                'More arguments for llama-server, in one string: "-fa off" runs it with the node\'s attention on a '
+                "CPU (by default it runs with its own, flash attention on)."
+            ),
+        )
+        parser.add_argument(
             "--baseline",
             metavar="DIR",
             help=(
@@ -116,7 +126,9 @@ class Command(BaseCommand):
             stack.stop()
         summary = summarise(results, ours.name, theirs.name)
         settings_used = {k: o[k] for k in ("model", "repeats", "max_tokens", "ignore_eos", "threads", "slots", "n_ctx")}
-        settings_used["against"] = str(baseline) if baseline else "llama-server"
+        settings_used["against"] = (
+            str(baseline) if baseline else " ".join(["llama-server", o["llama_server_args"]]).strip()
+        )
         if o["json"]:
             self.stdout.write(json.dumps(settings_used | {k: rounded(v) for k, v in summary.items()}))
         else:
@@ -181,6 +193,7 @@ class Command(BaseCommand):
                 *("-m", str(model.path), "--host", "127.0.0.1", "--port", str(port)),
                 *("-t", str(o["threads"]), "-tb", str(o["threads"]), "-np", str(o["slots"])),
                 *("-c", str(o["slots"] * o["n_ctx"]), "--swa-full", *template, *layout),
+                *shlex.split(o["llama_server_args"]),
             ],
             # As its users run it: libgomp's own spin count, not the one `inference/__init__.py` sets.
             {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"},
