@@ -54,7 +54,8 @@ class EngineConfig(BaseSettings):
     # The same output for a session whatever else is batched with it: turns off llama.cpp's repacked
     # CPU weights (measured here: 14% slower single-stream decoding, no change at 16 sequences).
     BATCH_INVARIANT: bool = True
-    # Flash attention: "auto" (llama.cpp decides when the context is made: on, on a CPU or a GPU), "on" or "off".
+    # Flash attention: "auto" (llama.cpp decides when the context is made: on wherever its backend has it,
+    # this CPU included), "on" or "off".
     # Off decoded one SmolLM2 sequence 15-30% faster here at 300-700 tokens of context (llama-bench), but not
     # bench_stack's batched replay (README, "Tried and not adopted").
     FLASH_ATTN: Literal["auto", "on", "off"] = "auto"
