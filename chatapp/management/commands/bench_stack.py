@@ -66,8 +66,8 @@ class Command(BaseCommand):
             default="",
             metavar="ARGS",
             help=(
-                'More arguments for llama-server, in one string: "-fa off" runs it with the node\'s attention on a '
-                "CPU (by default it runs with its own, flash attention on)."
+                'More arguments for llama-server, in one string: "-fa off" runs it without flash attention, to '
+                "match a node with FLASH_ATTN=off (by default it makes its own choice: on)."
             ),
         )
         parser.add_argument(
