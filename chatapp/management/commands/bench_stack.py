@@ -126,9 +126,7 @@ class Command(BaseCommand):
             stack.stop()
         summary = summarise(results, ours.name, theirs.name)
         settings_used = {k: o[k] for k in ("model", "repeats", "max_tokens", "ignore_eos", "threads", "slots", "n_ctx")}
-        settings_used["against"] = (
-            str(baseline) if baseline else " ".join(["llama-server", o["llama_server_args"]]).strip()
-        )
+        settings_used["against"] = str(baseline) if baseline else f"llama-server {o['llama_server_args']}".strip()
         if o["json"]:
             self.stdout.write(json.dumps(settings_used | {k: rounded(v) for k, v in summary.items()}))
         else:
