@@ -152,6 +152,17 @@ def _wait_until_ready(name: str, process: subprocess.Popen, log_path: Path, time
 
 
 @pytest.fixture(scope="session")
+def django_db_modify_db_settings(django_db_modify_db_settings_parallel_suffix: None) -> None:
+    """The suite's own connection runs without DB_IDLE_IN_TRANSACTION_TIMEOUT_S (a later `-c` wins). That
+    timeout frees the row locks of a product process frozen mid-transaction; here pytest-django's `db` wraps
+    a whole test in one transaction, which waits on the model, Hypothesis or a loaded machine between its
+    statements (a full run at 1.5 s ended the fuzz test's; at 5 s, a slow CI machine ended the summaries
+    test's). The processes the tests start (nodes, web) keep it."""
+    options = connection.settings_dict.setdefault("OPTIONS", {})
+    options["options"] = f"{options.get('options', '')} -c idle_in_transaction_session_timeout=0".strip()
+
+
+@pytest.fixture(scope="session")
 def test_database(django_db_setup, django_db_blocker) -> str:
     with django_db_blocker.unblock():
         return connection.settings_dict["NAME"]

@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 
 import psycopg
 import pytest
+from django.conf import settings
 from django.db import connection
 from django.utils import timezone
 
@@ -226,8 +227,10 @@ def test_a_node_frozen_holding_its_row_lock_is_replaced_all_the_same(test_databa
         conversation = ConversationFactory.create()
         assignment_move(session_key=conversation.session_key, node_name=frozen.name)
         turn = admission.turn_start(conversation=conversation, text="Hello!")
-        # The frozen node's heartbeat, as it froze: its row locked on a connection made as the product's are.
-        holder = psycopg.connect(**connection.get_connection_params())
+        # The frozen node's heartbeat, as it froze: its row locked on a connection with the product's timeout
+        # (the suite's own connection has none: tests/conftest.py).
+        timeout = f"-c idle_in_transaction_session_timeout={int(settings.DB_IDLE_IN_TRANSACTION_TIMEOUT_S * 1000)}"
+        holder = psycopg.connect(**connection.get_connection_params() | {"options": timeout})
         try:
             holder.execute(f"SELECT 1 FROM {Node._meta.db_table} WHERE name = %s FOR UPDATE", [frozen.name])
             turn = wait_for_turn(turn, timeout=60)
