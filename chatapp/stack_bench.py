@@ -99,6 +99,13 @@ class ReplayResult:
         self.cached_tokens += turn.cached_tokens
         self.completion_tokens += turn.completion_tokens
 
+    def machine_idle_share(self) -> float:
+        """The share of all cores' time that no process used during the replay. A server whose work is all
+        llama.cpp's keeps every core busy, so this is the part of a wall-clock gap that is waiting, not CPU
+        spent elsewhere. /proc/stat counts in clock ticks: a busy machine can read a hair over its wall time."""
+        capacity = self.wall_s * (os.cpu_count() or 1)
+        return max(1 - self.machine_cpu_s / capacity, 0.0) if capacity else math.nan
+
     def figures(self) -> dict[str, float]:
         tokens = max(self.completion_tokens, 1)
         return {
@@ -111,6 +118,7 @@ class ReplayResult:
             "other_cpu_ms_per_token": 1000 * self.other_cpu_s / tokens,
             **{other_cpu_part(name): 1000 * cpu / tokens for name, cpu in self.other_cpu_parts.items()},
             "machine_cpu_ms_per_token": 1000 * self.machine_cpu_s / tokens,
+            "machine_idle_share": self.machine_idle_share(),
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "errors": len(self.errors),
