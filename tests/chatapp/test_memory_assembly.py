@@ -37,8 +37,8 @@ def _conversation_with_turn(strategy: str, exchanges: int) -> Turn:
 def test_summaries_are_written_after_the_turn_in_chunks_that_fit_then_used_by_the_next_prompt(
     transactional_db, engine, settings
 ):
-    """Outside a transaction, as on the node: each summary is a model call between two statements, and a
-    transaction left idle that long (DB_IDLE_IN_TRANSACTION_TIMEOUT_S) is ended by Postgres."""
+    """Outside a transaction, as on the node: each summary is a model call between two statements, and the
+    product's connections end a transaction left idle that long (DB_IDLE_IN_TRANSACTION_TIMEOUT_S)."""
     settings.CHAT_MEMORY_STRATEGIES = {
         "tiny_summary": {
             "BACKEND": "chatapp.memory.strategies.StablePrefix",
