@@ -151,6 +151,11 @@ def _wait_until_ready(name: str, process: subprocess.Popen, log_path: Path, time
     raise RuntimeError(f"node {name} did not start within {timeout}s:\n{log_path.read_text()[-3000:]}")
 
 
+# The libpq options the product's connections are made with (DB_IDLE_IN_TRANSACTION_TIMEOUT_S among them),
+# read before the fixture below changes the suite's own.
+PRODUCT_DB_OPTIONS: str = connection.settings_dict.get("OPTIONS", {}).get("options", "")
+
+
 @pytest.fixture(scope="session")
 def django_db_modify_db_settings(django_db_modify_db_settings_parallel_suffix: None) -> None:
     """The suite's own connection runs without DB_IDLE_IN_TRANSACTION_TIMEOUT_S (a later `-c` wins). That
@@ -159,7 +164,7 @@ def django_db_modify_db_settings(django_db_modify_db_settings_parallel_suffix: N
     statements (a full run at 1.5 s ended the fuzz test's; at 5 s, a slow CI machine ended the summaries
     test's). The processes the tests start (nodes, web) keep it."""
     options = connection.settings_dict.setdefault("OPTIONS", {})
-    options["options"] = f"{options.get('options', '')} -c idle_in_transaction_session_timeout=0".strip()
+    options["options"] = f"{PRODUCT_DB_OPTIONS} -c idle_in_transaction_session_timeout=0".strip()
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,6 @@ from urllib.parse import urlsplit
 
 import psycopg
 import pytest
-from django.conf import settings
 from django.db import connection
 from django.utils import timezone
 
@@ -25,7 +24,7 @@ from chatapp.models import Conversation, Message, Turn
 from chatapp.turns import admission
 from router.models import Node
 from router.services import assignment_move
-from tests.conftest import start_node, start_web, stop_node
+from tests.conftest import PRODUCT_DB_OPTIONS, start_node, start_web, stop_node
 from tests.factories import ConversationFactory, NodeFactory, UserFactory
 from tests.faults.helpers import LONG_PROMPT, LONG_REPLY
 from tests.helpers import only_these_nodes, wait_for_turn, wait_until
@@ -227,10 +226,9 @@ def test_a_node_frozen_holding_its_row_lock_is_replaced_all_the_same(test_databa
         conversation = ConversationFactory.create()
         assignment_move(session_key=conversation.session_key, node_name=frozen.name)
         turn = admission.turn_start(conversation=conversation, text="Hello!")
-        # The frozen node's heartbeat, as it froze: its row locked on a connection with the product's timeout
-        # (the suite's own connection has none: tests/conftest.py).
-        timeout = f"-c idle_in_transaction_session_timeout={int(settings.DB_IDLE_IN_TRANSACTION_TIMEOUT_S * 1000)}"
-        holder = psycopg.connect(**connection.get_connection_params() | {"options": timeout})
+        # The frozen node's heartbeat, as it froze: its row locked on a connection made as the product's are
+        # (the suite's own has no idle timeout: tests/conftest.py).
+        holder = psycopg.connect(**connection.get_connection_params() | {"options": PRODUCT_DB_OPTIONS})
         try:
             holder.execute(f"SELECT 1 FROM {Node._meta.db_table} WHERE name = %s FOR UPDATE", [frozen.name])
             turn = wait_for_turn(turn, timeout=60)
