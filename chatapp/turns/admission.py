@@ -12,7 +12,7 @@ from django.db import transaction
 from django.db.models import QuerySet
 
 from chatapp import quotas
-from chatapp.memory.registry import strategy_get
+from chatapp.memory.registry import strategy_get, strategy_options
 from chatapp.models import ApiKey, Conversation, Message, Turn
 from chatapp.services import fact_save
 from chatapp.turns.lifecycle import turn_create
@@ -92,7 +92,7 @@ def route_hints(conversation: Conversation, served: ServedModel, latest: Turn | 
         previous = done.only("strategy", "strategy_options", "trace", "completion_tokens").first()
     if previous is None:
         return RouteHints(new=True, cold=False)
-    if (previous.strategy, previous.strategy_options) != (conversation.strategy, conversation.strategy_options):
+    if not _same_strategy(previous, conversation):
         return RouteHints(new=False, cold=True)
     verbatim = sum(s["tokens"] for s in previous.trace.get("segments", ()) if s["kind"] == "verbatim")
     strategy = strategy_get(conversation.strategy, conversation.strategy_options)
@@ -100,6 +100,16 @@ def route_hints(conversation: Conversation, served: ServedModel, latest: Turn | 
     return RouteHints(
         new=False, cold=strategy.breaks_prefix(history_tokens=history, budget=served.n_ctx - served.max_reply_tokens)
     )
+
+
+def _same_strategy(turn: Turn, conversation: Conversation) -> bool:
+    """Whether the turn's prompt was made by the strategy the conversation has now, with the same options.
+    A turn records its options as its prompt used them (the alias's, with the conversation's overrides over
+    them); the conversation keeps only its overrides. So both are compared resolved."""
+    if turn.strategy != conversation.strategy:
+        return False
+    used = strategy_options(turn.strategy, turn.strategy_options)
+    return used == strategy_options(conversation.strategy, conversation.strategy_options)
 
 
 class UnfinishedTurn(Exception):

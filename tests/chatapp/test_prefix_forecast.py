@@ -1,6 +1,7 @@
 """The web's hints to the router: a turn will break its session's prefix (the router may then move it for
 free), or its session is new (it is placed without a read)."""
 
+from chatapp.memory.registry import strategy_options
 from chatapp.models import Turn
 from chatapp.turns.admission import RouteHints, latest_turn, route_hints
 from router.services import ServedModel
@@ -19,6 +20,7 @@ def hints(conversation) -> RouteHints:
 def done_turn(
     conversation, *, verbatim: list[int], reply: int, strategy="stable_prefix", options=DROP_AT, status="done"
 ) -> Turn:
+    """A finished turn as the node records it: its options resolved (the alias's, then the overrides)."""
     message = MessageFactory.create(conversation=conversation)
     segments = [{"kind": "system", "ids": [], "tokens": 300}]
     segments += [{"kind": "verbatim", "ids": [], "tokens": n} for n in verbatim]
@@ -27,7 +29,7 @@ def done_turn(
         user_message=message,
         status=status,
         strategy=strategy,
-        strategy_options=options,
+        strategy_options=strategy_options(strategy, options),
         trace={"segments": segments},
         completion_tokens=reply,
     )
@@ -41,6 +43,17 @@ def test_a_stable_prefix_conversation_breaks_when_its_history_passes_the_drop_po
     assert hints(conversation) == RouteHints(new=False, cold=False)
     Turn.objects.filter(pk=turn.pk).update(completion_tokens=120)
     assert hints(conversation).cold  # 520 > 500: the next prompt drops a chunk
+
+
+def test_a_conversation_on_its_strategys_own_options_keeps_its_prefix(db):
+    """The API's and the browser's conversations override nothing: their turns record the alias's options,
+    which is the same strategy (each follow-up had read as cold, and moved off a node that held it)."""
+    conversation = ConversationFactory.create(strategy="stable_prefix", strategy_options={})
+    turn = done_turn(conversation, verbatim=[250, 150], reply=90, options={})
+    assert turn.strategy_options == strategy_options("stable_prefix") != {}
+    assert hints(conversation) == RouteHints(new=False, cold=False)
+    conversation.strategy_options = {"high": 3000}
+    assert hints(conversation).cold  # other options: another prompt
 
 
 def test_a_changed_strategy_breaks_and_a_strategy_that_cannot_tell_never_does(db):
