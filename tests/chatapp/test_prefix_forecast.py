@@ -1,11 +1,15 @@
 """The web's hints to the router: a turn will break its session's prefix (the router may then move it for
 free), or its session is new (it is placed without a read)."""
 
+import pytest
+
 from chatapp.memory.registry import strategy_options
 from chatapp.models import Turn
+from chatapp.turns import admission
 from chatapp.turns.admission import RouteHints, latest_turn, route_hints
 from router.services import ServedModel
 from tests.factories import ConversationFactory, MessageFactory
+from tests.helpers import wait_for_turn
 
 DROP_AT = {"high": 500, "low": 200}
 SERVED = ServedModel(  # a 4,096-token context
@@ -54,6 +58,17 @@ def test_a_conversation_on_its_strategys_own_options_keeps_its_prefix(db):
     assert hints(conversation) == RouteHints(new=False, cold=False)
     conversation.strategy_options = {"high": 3000}
     assert hints(conversation).cold  # other options: another prompt
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_turn_a_real_node_ran_leaves_its_follow_up_warm(node):
+    """The node records the turn's options, the web reads them back: one conversation on the default
+    strategy, end to end."""
+    conversation = ConversationFactory.create()
+    turn = wait_for_turn(admission.turn_start(conversation=conversation, text="My sister keeps goats."))
+    assert turn.status == Turn.Status.DONE, turn.error
+    assert turn.strategy_options == strategy_options(conversation.strategy) != conversation.strategy_options
+    assert hints(conversation) == RouteHints(new=False, cold=False)
 
 
 def test_a_changed_strategy_breaks_and_a_strategy_that_cannot_tell_never_does(db):
