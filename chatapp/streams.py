@@ -203,11 +203,21 @@ def request_cancel(turn_key: str) -> None:
 _async_clients: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aioredis.Redis]" = weakref.WeakKeyDictionary()
 
 
+# The event loop's client opens at most this many connections; a call past them waits for one (up to
+# ASYNC_POOL_WAIT_S) instead of failing. Hundreds of event streams opening at once each wake the stream hub
+# and count themselves, and redis-py's own asyncio pool raised "Too many connections" past 100.
+ASYNC_POOL_CONNECTIONS = 100
+ASYNC_POOL_WAIT_S = 20
+
+
 def async_client() -> "aioredis.Redis":
     """An asyncio Redis client for the running event loop (its connections cannot cross loops)."""
     loop = asyncio.get_running_loop()
     if loop not in _async_clients:
-        _async_clients[loop] = aioredis.Redis.from_url(settings.REDIS_URL, decode_responses=True)
+        pool = aioredis.BlockingConnectionPool.from_url(
+            settings.REDIS_URL, decode_responses=True, max_connections=ASYNC_POOL_CONNECTIONS, timeout=ASYNC_POOL_WAIT_S
+        )
+        _async_clients[loop] = aioredis.Redis(connection_pool=pool)
     return _async_clients[loop]
 
 
