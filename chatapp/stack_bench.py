@@ -100,12 +100,12 @@ class ReplayResult:
         self.completion_tokens += turn.completion_tokens
 
     def machine_idle_share(self) -> float:
-        """The share of all cores' time that no process used during the replay: where the compute threads
-        waited (a step's serial part, the engine's Python between steps) and nothing else ran. llama-server's
-        threads spin through such waits for milliseconds (libgomp's default), so its share reads near zero
-        with that spin counted as its CPU; the node's shorter spin (GOMP_SPINCOUNT) leaves the core free for
-        the stack's other processes, and idle when they have nothing to do. /proc/stat counts in clock ticks:
-        a fully busy machine can read a hair over its wall time."""
+        """The share of all cores' time that no process used during the replay: where a compute thread slept
+        (at llama.cpp's barriers, waiting for its partner, or between steps) and nothing else ran.
+        llama-server's threads spin through such waits for milliseconds (libgomp's default), so its share
+        reads near zero with that spin counted as its CPU; the node's shorter spin (GOMP_SPINCOUNT) leaves the
+        core free for the stack's other processes, and idle when they have nothing to do. /proc/stat counts
+        in clock ticks: a fully busy machine can read a hair over its wall time."""
         capacity = self.wall_s * (os.cpu_count() or 1)
         return max(1 - self.machine_cpu_s / capacity, 0.0) if capacity else math.nan
 
