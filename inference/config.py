@@ -5,7 +5,7 @@ start with a line naming the setting: `N_CTX=abc`, `MAX_CONCURRENT=0`."""
 from dataclasses import replace
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from inference.model_files import ModelFile, resolve_model
@@ -52,12 +52,13 @@ class EngineConfig(BaseSettings):
     # Generations decoded together; further requests wait. Size the node's thread pool to it.
     MAX_CONCURRENT: int = Field(16, ge=1)
     # The same output for a session whatever else is batched with it: turns off llama.cpp's repacked
-    # CPU weights (measured here: 14% slower single-stream decoding, no change at 16 sequences).
+    # CPU weights (measured here: 14% slower single-stream decoding, no change at 16 sequences), and flash
+    # attention (`flash_attn`).
     BATCH_INVARIANT: bool = True
-    # Flash attention: "auto" (llama.cpp decides when the context is made: on wherever its backend has it,
-    # this CPU included), "on" or "off".
-    # Off decoded one SmolLM2 sequence 15-30% faster here at 300-700 tokens of context (llama-bench), but not
-    # bench_stack's batched replay (README, "Tried and not adopted").
+    # Flash attention: "auto" (off while BATCH_INVARIANT; else llama.cpp decides when the context is made: on
+    # wherever its backend has it, this CPU included), "on" (not with BATCH_INVARIANT) or "off".
+    # Off decoded one SmolLM2 sequence 15-30% faster here at 300-700 tokens of context (llama-bench), and
+    # bench_stack's batched replay as fast (README, session 38).
     FLASH_ATTN: Literal["auto", "on", "off"] = "auto"
     # Tokens per llama_decode step: one per decoding sequence, the rest prompts (`Scheduler.schedule`).
     # 0: 64 on a CPU, where a step costs about the same per token at any size and a small budget gives
@@ -91,6 +92,21 @@ class EngineConfig(BaseSettings):
     def replace(self, **changes: Any) -> "EngineConfig":
         """A copy with `changes`, validated like the original (the environment is not read again)."""
         return type(self)(**(self.model_dump() | changes))
+
+    @field_validator("FLASH_ATTN")
+    @classmethod
+    def _flash_attn_keeps_batches_invariant(cls, value: str, info: ValidationInfo) -> str:
+        if value == "on" and info.data.get("BATCH_INVARIANT"):
+            raise ValueError("flash attention makes a session's output depend on its batch; needs BATCH_INVARIANT=off")
+        return value
+
+    @property
+    def flash_attn(self) -> Literal["auto", "on", "off"]:
+        """FLASH_ATTN as the context gets it. llama.cpp's CPU flash attention splits the cells of a sequence
+        that decodes alone (one token, 512 cells or more) across its threads, and so sums them in another
+        order than when the sequence decodes beside others: its logits moved by up to 0.85 here, which flips
+        the near-ties of a small model. Without it, a sequence's logits are the same alone or batched."""
+        return "off" if self.FLASH_ATTN == "auto" and self.BATCH_INVARIANT else self.FLASH_ATTN
 
     @property
     def step_token_budget(self) -> int:

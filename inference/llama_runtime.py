@@ -67,7 +67,7 @@ class LlamaRuntime:
         # Full-size sliding-window layers keep a prefix reusable after its window has slid past.
         ctx_params.kv_unified = config.KV_UNIFIED
         ctx_params.swa_full = True
-        ctx_params.flash_attn_type = FLASH_ATTN_TYPES[config.FLASH_ATTN]
+        ctx_params.flash_attn_type = FLASH_ATTN_TYPES[config.flash_attn]
         ctx_params.no_perf = True
         self.context = LlamaContext(model=self.model, params=ctx_params, verbose=False)
         self.ctx = self.context.ctx
@@ -78,7 +78,7 @@ class LlamaRuntime:
         self.n_vocab = self.model.n_vocab()
         self._batch = llama_cpp.llama_batch_init(self.batch_capacity, 0, 1)
         self._kv_unified = config.KV_UNIFIED
-        self._flash_attn = config.FLASH_ATTN
+        self._flash_attn = config.flash_attn
 
     def state_fingerprint(self) -> dict[str, object]:
         """What a saved sequence state depends on: the weights, llama.cpp's version and the KV layout."""

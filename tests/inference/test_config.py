@@ -19,6 +19,7 @@ from tests.conftest import ROOT
         ({"TOP_P": "1.5"}, "TOP_P='1.5': Input should be less than or equal to 1"),
         ({"KV_UNIFIED": "maybe"}, "KV_UNIFIED='maybe': Input should be a valid boolean"),
         ({"FLASH_ATTN": "yes"}, "FLASH_ATTN='yes': Input should be 'auto', 'on' or 'off'"),
+        ({"FLASH_ATTN": "on"}, "FLASH_ATTN='on': Value error, flash attention makes a session's output depend"),
     ],
 )
 def test_a_bad_setting_is_named(monkeypatch, env, says):
@@ -48,3 +49,16 @@ def test_a_node_with_a_bad_setting_stops_at_start_with_one_line():
     assert node.returncode != 0
     assert "Bad engine setting: N_CTX='abc'" in node.stderr and "MAX_CONCURRENT='0'" in node.stderr
     assert "Traceback" not in node.stderr
+
+
+@pytest.mark.parametrize(
+    ("settings", "flash_attn"),
+    [
+        ({}, "off"),  # BATCH_INVARIANT by default
+        ({"BATCH_INVARIANT": False}, "auto"),  # llama.cpp's choice
+        ({"BATCH_INVARIANT": False, "FLASH_ATTN": "on"}, "on"),
+        ({"FLASH_ATTN": "off"}, "off"),
+    ],
+)
+def test_flash_attention_is_off_while_batches_are_invariant(settings, flash_attn):
+    assert EngineConfig(**settings).flash_attn == flash_attn

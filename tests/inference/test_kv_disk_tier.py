@@ -100,9 +100,9 @@ def test_an_idle_session_is_written_behind_and_survives_a_crash(engines):
     ("changed", "named"),
     [
         ({"N_CTX": 2048}, "n_ctx_seq"),
-        # Without flash attention llama.cpp keeps V transposed in the cache: a state from a context with it
-        # (llama.cpp's choice here) does not fit.
-        ({"FLASH_ATTN": "off"}, "flash_attn"),
+        # Without flash attention (BATCH_INVARIANT's choice) llama.cpp keeps V transposed in the cache: a state
+        # from a context without it does not fit one with it (llama.cpp's choice here).
+        ({"BATCH_INVARIANT": False}, "flash_attn"),
     ],
 )
 def test_a_state_for_another_context_layout_is_ignored_logged_and_deleted(engines, caplog, changed, named):

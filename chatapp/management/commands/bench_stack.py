@@ -66,8 +66,9 @@ class Command(BaseCommand):
             default="",
             metavar="ARGS",
             help=(
-                'More arguments for llama-server, in one string: "-fa off" runs it without flash attention, to '
-                "match a node with FLASH_ATTN=off (by default it makes its own choice: on)."
+                'More arguments for llama-server, in one string: "-fa off" runs it without flash attention, as '
+                "the node runs by default (BATCH_INVARIANT turns it off); without it llama-server makes its own "
+                "choice, as its users run it: on."
             ),
         )
         parser.add_argument(
