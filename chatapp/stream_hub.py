@@ -5,7 +5,8 @@ hundred open event streams would exhaust the client's pool. Instead the hub runs
 every followed stream at once, and hands each entry to the readers of that stream through their own
 queues. A reader that joins rewinds its stream's read position to where it wants to start (readers
 already there skip what they have seen) and wakes the hub through a stream of the hub's own, so joining
-costs no wait. When Redis fails, every reader is told (and follows again through `streams.follow`).
+costs no wait; readers that join before the hub reads again share one wake. When Redis fails, every
+reader is told (and follows again through `streams.follow`).
 """
 
 import asyncio
@@ -35,6 +36,7 @@ class StreamHub:
         self.positions: dict[str, str] = {}  # where the hub reads each stream from next
         self.wake_key = f"hub:{uuid.uuid4().hex}:wake"
         self.wake_position = "0-0"
+        self.wake_sent = False  # since the hub last took the streams' positions: a join needs no other wake
         self.task: asyncio.Task | None = None
 
     async def follow(self, key: str, *, after: str, block_ms: int) -> AsyncIterator[tuple[str, dict[str, Any] | None]]:
@@ -71,16 +73,27 @@ class StreamHub:
                 self.positions.pop(key, None)
 
     async def _wake(self) -> None:
+        """Make the hub read again with the positions as they are now. A wake already sent, that the hub has
+        not yet answered by taking the positions, does for this join too: 500 readers opening their streams
+        at once cost one Redis call, not 500."""
+        if self.wake_sent:
+            return
+        self.wake_sent = True
         client = streams.async_client()
         pipe = client.pipeline(transaction=False)
         pipe.xadd(self.wake_key, {"w": "1"}, maxlen=16, approximate=True)
         pipe.expire(self.wake_key, 3600)
-        await pipe.execute()
+        try:
+            await pipe.execute()
+        except BaseException:
+            self.wake_sent = False  # not sent: the next join tries again
+            raise
 
     async def _run(self) -> None:
         client = streams.async_client()
         try:
             while self.readers:
+                self.wake_sent = False
                 asked = dict(self.positions)
                 wanted: dict[Any, Any] = asked | {self.wake_key: self.wake_position}
                 batches: list = await client.xread(wanted, block=HUB_BLOCK_MS, count=READ_COUNT)  # type: ignore[assignment]

@@ -44,19 +44,29 @@ def test_every_reader_gets_each_entry_once_in_order_whenever_it_joins():
     assert middles == [sent[150:]]
 
 
-async def _crowd(readers: int) -> tuple[list[str], list[list[str]]]:
+async def _crowd(readers: int) -> tuple[list[str], list[list[str]], int]:
+    """What was sent, what each of `readers` joining at once read, and how often they woke the hub."""
     key = f"hub-crowd-{uuid.uuid4().hex}"
     sent = [f"t{k} " for k in range(20)]
     for text in sent:
         streams.publish(key, {"type": "token", "text": text}, attempt=0)
     streams.publish(key, {"type": "done"}, attempt=0)
     hub = stream_hub.StreamHub()
-    return sent, list(await asyncio.gather(*(_follow(hub, key, "0-0") for _ in range(readers))))
+    read = list(await asyncio.gather(*(_follow(hub, key, "0-0") for _ in range(readers))))
+    return sent, read, streams.client().xlen(hub.wake_key)
 
 
 def test_hundreds_of_readers_joining_at_once_all_read_their_stream():
     """Each joining reader wakes the hub with a Redis call: 500 at once are more than the event loop's client
     has connections (100), and the excess wait for one instead of failing ("Too many connections", which
     had sent late readers of a finished reply its end from Postgres without its text as tokens)."""
-    sent, read = asyncio.run(_crowd(500))
+    sent, read, _ = asyncio.run(_crowd(500))
     assert len(read) == 500 and all(texts == sent for texts in read)
+
+
+def test_readers_joining_together_share_one_wake():
+    """The hub's wake stream keeps its last 16 entries or more (trimmed approximately): one wake each
+    would leave at least 16."""
+    sent, read, wakes = asyncio.run(_crowd(200))
+    assert all(texts == sent for texts in read)
+    assert wakes <= 2
