@@ -57,8 +57,9 @@ class EngineConfig(BaseSettings):
     BATCH_INVARIANT: bool = True
     # Flash attention: "auto" (off while BATCH_INVARIANT; else llama.cpp decides when the context is made: on
     # wherever its backend has it, this CPU included), "on" (not with BATCH_INVARIANT) or "off".
-    # Off decoded one SmolLM2 sequence 15-30% faster here at 300-700 tokens of context (llama-bench), and
-    # bench_stack's batched replay as fast (README, session 38).
+    # Off decoded one SmolLM2 sequence 15-30% faster at 300-700 tokens of context (llama-bench), and
+    # bench_stack's batched replay as fast on an AMD EPYC (AVX2), 1.48x faster on an Intel Xeon with
+    # AVX-512 (README, sessions 35 and 38).
     FLASH_ATTN: Literal["auto", "on", "off"] = "auto"
     # Tokens per llama_decode step: one per decoding sequence, the rest prompts (`Scheduler.schedule`).
     # 0: 64 on a CPU, where a step costs about the same per token at any size and a small budget gives
