@@ -101,7 +101,9 @@ def test_an_idle_session_is_written_behind_and_survives_a_crash(engines):
     [
         ({"N_CTX": 2048}, "n_ctx_seq"),
         # Without flash attention (BATCH_INVARIANT's choice) llama.cpp keeps V transposed in the cache: a state
-        # from a context without it does not fit one with it (llama.cpp's choice here).
+        # from a context without it does not fit one with it (llama.cpp's choice here). These engines decode
+        # one token a step: with BATCH_INVARIANT off (repacked weights), llama.cpp crashed on SmolLM2's first
+        # batch of two tokens or more on a CPU with AMX.
         ({"BATCH_INVARIANT": False}, "flash_attn"),
     ],
 )
