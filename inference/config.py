@@ -97,6 +97,7 @@ class EngineConfig(BaseSettings):
     @field_validator("FLASH_ATTN")
     @classmethod
     def _flash_attn_keeps_batches_invariant(cls, value: str, info: ValidationInfo) -> str:
+        # info.data holds the fields declared above this one: BATCH_INVARIANT must stay declared first.
         if value == "on" and info.data.get("BATCH_INVARIANT"):
             raise ValueError("flash attention makes a session's output depend on its batch; needs BATCH_INVARIANT=off")
         return value
