@@ -26,16 +26,20 @@ def _alone_and_beside_another(runtime: LlamaRuntime) -> tuple[np.ndarray, np.nda
 
 
 @pytest.mark.parametrize(
-    ("flash_attn", "invariant"),
+    ("flash_attn", "model", "invariant"),
     [
-        ("auto", True),  # the default: off while BATCH_INVARIANT
+        ("auto", None, True),  # the default: off while BATCH_INVARIANT
         # What the default avoids, and the settings refuse (a copy is not validated): if llama.cpp ever sums
         # both ways alike, FLASH_ATTN=auto may follow llama.cpp again.
-        ("on", False),
+        ("on", None, False),
+        # 8-bit weights: one row goes through llama.cpp's one-row dot products, two or more through its tiled
+        # kernels (tinyBLAS), which must sum alike.
+        ("auto", "smollm2-135m-instruct-q8_0", True),
     ],
 )
-def test_a_sequence_decodes_the_same_alone_or_beside_others(model_file, flash_attn, invariant):
-    runtime = LlamaRuntime(SMALL_ENGINE.model_copy(update={"FLASH_ATTN": flash_attn}))
+def test_a_sequence_decodes_the_same_alone_or_beside_others(model_file, flash_attn, model, invariant):
+    served = {"MODEL": model, "MODEL_PATH": ""} if model else {}
+    runtime = LlamaRuntime(SMALL_ENGINE.model_copy(update={"FLASH_ATTN": flash_attn, **served}))
     try:
         alone, beside = _alone_and_beside_another(runtime)
     finally:
