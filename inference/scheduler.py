@@ -107,8 +107,8 @@ class Scheduler:
         for request in self.running:  # in admission order
             if request.state is not RequestState.PREFILLING or (chunked and len(request.pending) > budget):
                 continue
-            # The oldest prompt moves on every step, by a token at least, however many sequences decode.
-            tokens[id(request)] = request.pending[: max(budget, 1)]
+            # The oldest prompt moves on every step, however many sequences decode.
+            tokens[id(request)] = request.pending[: _chunk_size(len(request.pending), budget)]
             budget -= len(tokens[id(request)])
             chunked = True
         entries: list[BatchEntry] = []
@@ -185,6 +185,19 @@ class Scheduler:
         request.pending = request.prompt[reuse:]
         request.state = RequestState.PREFILLING
         self.running.append(request)
+
+
+def _chunk_size(pending: int, budget: int) -> int:
+    """How many of a prompt's `pending` tokens go into a step that has `budget` left: as many as fit, but
+    never a chunk of one token that the prompt's length and the batch beside it made (nor one left for
+    the next step), even if that takes a token or two over the budget. llama.cpp's CPU attention takes
+    another path for a sequence with one row in the step than for two or more, and its sums can come out
+    apart (tests/inference/test_batch_invariance.py): a prompt token's KV, and so the reply, would depend
+    on what decoded beside it. A prompt with one token to go is one row on every path."""
+    take = min(pending, max(budget, 2))
+    if pending - take == 1:
+        take = take - 1 if take > 2 else pending
+    return take
 
 
 def _reusable(request: Request, session: Session) -> int:

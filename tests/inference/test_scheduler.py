@@ -65,7 +65,23 @@ def test_decoding_sequences_take_their_token_first(runtime):
 def test_the_oldest_prompt_moves_on_when_decoding_takes_the_whole_budget(runtime):
     scheduler = _scheduler(runtime, 5, 5, 5, 30, budget=2)
     _decoding(scheduler, 3)
-    assert _planned(scheduler) == [("s0", 1), ("s1", 1), ("s2", 1), ("s3", 1)]
+    # Two tokens, not one: a chunk of one token would take another path through llama.cpp's attention.
+    assert _planned(scheduler) == [("s0", 1), ("s1", 1), ("s2", 1), ("s3", 2)]
+
+
+@pytest.mark.parametrize(
+    ("prompt", "decoding", "budget", "planned"),
+    [
+        (65, 0, 64, 63),  # not 64, which would leave one token for a step of its own
+        (3, 2, 4, 3),  # not 2 and then 1: a token over the budget
+        (40, 3, 4, 2),  # the budget leaves one
+        (1, 3, 4, 1),  # a prompt with one token to go is one row whatever decodes beside it
+    ],
+)
+def test_a_prompt_chunk_is_never_one_token_that_the_batch_made(runtime, prompt, decoding, budget, planned):
+    scheduler = _scheduler(runtime, *[5] * decoding, prompt, budget=budget)
+    _decoding(scheduler, decoding)
+    assert _planned(scheduler)[-1] == (f"s{decoding}", planned)
 
 
 def test_the_default_budget_is_small_on_a_cpu_and_large_with_a_gpu():
