@@ -56,8 +56,8 @@ class LlamaRuntime:
         self.model = LlamaModel(path_model=str(self.model_file.path), params=model_params, verbose=False)
         self._pieces: dict[int, bytes] = {}
         threads = config.N_THREADS or os.cpu_count() or 1
-        # Two over: a prompt's chunk may take two tokens past the step's budget (scheduler._chunk_size).
-        self.batch_capacity = max(config.step_token_budget, config.MAX_CONCURRENT) + 2
+        # A prompt's chunk may take a token past a step budget of 2 (scheduler._chunk_size).
+        self.batch_capacity = max(config.step_token_budget, config.MAX_CONCURRENT, 3)
         ctx_params = llama_cpp.llama_context_default_params()
         ctx_params.n_ctx = config.kv_cells
         ctx_params.n_batch = self.batch_capacity

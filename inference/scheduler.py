@@ -45,6 +45,7 @@ class Scheduler:
         self.sessions = sessions
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self._prefilled_last = False  # the last step planned was a prompt's chunk: decoding goes next
 
     @property
     def has_work(self) -> bool:
@@ -84,33 +85,29 @@ class Scheduler:
         return admission
 
     def schedule(self) -> StepPlan:
-        """The next step's entries: one token for each decoding request (and each finishing one, whose last
-        token still goes into the KV cache), then prompts under the step's token budget: the oldest one
-        prefilling takes what is left of the budget (a chunk of a long prompt), a later one only if it fits
-        whole, else it waits for the next step.
+        """The next step's entries: either one token for each decoding request (and each finishing one, whose
+        last token still goes into the KV cache), or a chunk of the oldest prompt under the step's token
+        budget (chunked prefill, so a long prompt never stalls the others), taking turns while both wait.
 
-        On a CPU a step costs about the same per token at any size, so prompts that go into one step all wait
-        for the whole of it. One at a time, the first gets its first token after its own prompt, the next
-        after two, ...; the last a little later than together, by the extra steps' decoding tokens
-        (`EngineConfig.step_token_budget`).
+        Never both in one step, and one prompt at a time: with a KV stream per sequence, llama.cpp splits a
+        batch into micro-batches that take as many tokens from each sequence, so a prompt chunk beside
+        sequences that decode one token would have its first token decoded as a row of its own. llama.cpp's
+        CPU attention sums one row apart from two or more, so that token's KV, and the reply, would depend
+        on what decoded beside it (tests/inference/test_batch_invariance.py). The split also cost a second
+        pass over the weights, so a step of each costs about what the mixed step did.
 
-        Entries go in sequence-id order: with one KV stream per sequence, llama.cpp splits a batch into
-        micro-batches of consecutive sequence ids, and each micro-batch reads all the weights again (16
-        sequences in arrival order took 1.65x as long as the same 16 sorted)."""
-        budget = self.config.step_token_budget
+        Entries go in sequence-id order: llama.cpp's micro-batches take consecutive sequence ids, and each
+        reads all the weights again (16 sequences in arrival order took 1.65x as long as the same 16
+        sorted)."""
+        decoding = [request for request in self.running if request.last_token is not None]
+        oldest = next((r for r in self.running if r.state is RequestState.PREFILLING), None)  # admission order
         tokens: dict[int, list[int]] = {}
-        for request in self.running:
-            if request.last_token is not None:
-                tokens[id(request)] = [request.last_token]
-                budget -= 1
-        chunked = False
-        for request in self.running:  # in admission order
-            if request.state is not RequestState.PREFILLING or (chunked and len(request.pending) > budget):
-                continue
-            # The oldest prompt moves on every step, however many sequences decode.
-            tokens[id(request)] = request.pending[: _chunk_size(len(request.pending), budget)]
-            budget -= len(tokens[id(request)])
-            chunked = True
+        if oldest is not None and not (decoding and self._prefilled_last):
+            budget = self.config.step_token_budget
+            tokens[id(oldest)] = oldest.pending[: _chunk_size(len(oldest.pending), budget)]
+        else:
+            tokens = {id(request): [request.last_token] for request in decoding}  # type: ignore[list-item]
+        self._prefilled_last = oldest is not None and id(oldest) in tokens
         entries: list[BatchEntry] = []
         chunks: list[Chunk] = []
         for request in sorted(self.running, key=_seq_id):
@@ -188,12 +185,10 @@ class Scheduler:
 
 
 def _chunk_size(pending: int, budget: int) -> int:
-    """How many of a prompt's `pending` tokens go into a step that has `budget` left: as many as fit, but
-    never a chunk of one token that the prompt's length and the batch beside it made (nor one left for
-    the next step), even if that takes a token or two over the budget. llama.cpp's CPU attention takes
-    another path for a sequence with one row in the step than for two or more, and its sums can come out
-    apart (tests/inference/test_batch_invariance.py): a prompt token's KV, and so the reply, would depend
-    on what decoded beside it. A prompt with one token to go is one row on every path."""
+    """How many of a prompt's `pending` tokens go into a step with `budget` tokens: as many as fit, but
+    never a chunk of one token that the budget made, nor one token left over for a chunk of its own (one
+    row takes another path through llama.cpp's attention, see `Scheduler.schedule`). A prompt with one
+    token to go is one row whatever is running."""
     take = min(pending, max(budget, 2))
     if pending - take == 1:
         take = take - 1 if take > 2 else pending

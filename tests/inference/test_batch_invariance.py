@@ -50,22 +50,29 @@ def test_a_sequence_decodes_the_same_alone_or_beside_others(model_file, flash_at
 PROMPT = 120
 
 
-def _prefilled(runtime: LlamaRuntime, seq: int, chunks: list[int]) -> np.ndarray:
-    """The logits of a prompt's last token after it was decoded in `chunks`."""
+def _prefilled(runtime: LlamaRuntime, seq: int, chunks: list[int], beside: int | None = None) -> np.ndarray:
+    """The logits of a prompt's last token after it was decoded in `chunks`; with `beside`, the second
+    chunk shares its step with that sequence decoding one token (sequence ids in order, as the engine's)."""
     prompt = runtime.tokenize(b"Hello there, how are you doing today? I am fine, thanks for asking. " * 20)[:PROMPT]
     assert sum(chunks) == PROMPT
     runtime.seq_truncate(seq, 0)
+    if beside is not None:
+        runtime.seq_truncate(beside, 0)
+        runtime.decode([BatchEntry(t, i, beside, False) for i, t in enumerate(prompt[:30])])
     start = 0
-    for n in chunks:
+    for k, n in enumerate(chunks):
         last = start + n == PROMPT
-        runtime.decode([BatchEntry(t, start + i, seq, last and i == n - 1) for i, t in enumerate(prompt[start:][:n])])
+        entries = [BatchEntry(t, start + i, seq, last and i == n - 1) for i, t in enumerate(prompt[start:][:n])]
+        if beside is not None and k == 1:
+            entries.append(BatchEntry(prompt[30], 30, beside, False))
+        runtime.decode(entries)
         start += n
     return runtime.logits(chunks[-1] - 1).copy()
 
 
 def _cut(tokens: int) -> list[int]:
-    """Chunks of at most 64 tokens (SMALL_ENGINE's step), none of one token."""
-    return [64, tokens - 64] if tokens > 64 else [tokens]
+    """Chunks that fit SMALL_ENGINE's step of 64 with a token beside, none of one token."""
+    return [60, tokens - 60] if tokens > 60 else [tokens]
 
 
 def test_a_prompt_decodes_the_same_in_any_chunks_of_two_tokens_or_more(model_file):
@@ -79,5 +86,9 @@ def test_a_prompt_decodes_the_same_in_any_chunks_of_two_tokens_or_more(model_fil
             assert np.array_equal(_prefilled(runtime, 1, chunks), whole), chunks
         alone = [_prefilled(runtime, 1, [at, 1, *_cut(PROMPT - at - 1)]) for at in (40, 47, 50, 55, 63)]
         assert any(not np.array_equal(logits, whole) for logits in alone)
+        # A chunk beside a sequence that decodes one token: llama.cpp's micro-batches take one token from
+        # each, so the chunk's first token is such a row of its own (why the scheduler never mixes them).
+        beside = [_prefilled(runtime, 1, [at, *_cut(PROMPT - at)], beside=2) for at in (40, 47, 50, 55, 63)]
+        assert any(not np.array_equal(logits, whole) for logits in beside)
     finally:
         runtime.close()

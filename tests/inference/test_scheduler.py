@@ -38,16 +38,9 @@ def _planned(scheduler: Scheduler) -> list[tuple[str, int]]:
     return [(chunk.request.session_key, len(chunk.tokens)) for chunk in scheduler.schedule().chunks]
 
 
-def test_prompts_that_fit_share_a_step(runtime):
-    assert _planned(_scheduler(runtime, 20, 30)) == [("s0", 20), ("s1", 30)]
-
-
-def test_only_the_oldest_prompt_is_split_and_a_later_one_waits_for_a_step_it_fits_in_whole(runtime):
-    scheduler = _scheduler(runtime, 40, 30, 10)
-    # s1 (30) does not fit beside s0 (40) in 64 tokens: it waits; s2 (10) still fits.
-    assert _planned(scheduler) == [("s0", 40), ("s2", 10)]
-    scheduler = _scheduler(runtime, 100, 30)
-    assert _planned(scheduler) == [("s0", 64)]  # the oldest takes the whole budget, in chunks
+def test_one_prompt_a_step_the_oldest_first_in_chunks_under_the_budget(runtime):
+    assert _planned(_scheduler(runtime, 20, 30)) == [("s0", 20)]
+    assert _planned(_scheduler(runtime, 100, 30)) == [("s0", 64)]
 
 
 def _decoding(scheduler: Scheduler, count: int) -> None:
@@ -56,32 +49,31 @@ def _decoding(scheduler: Scheduler, count: int) -> None:
         request.state, request.pending, request.last_token = RequestState.DECODING, [], 7
 
 
-def test_decoding_sequences_take_their_token_first(runtime):
-    scheduler = _scheduler(runtime, 10, 60)
-    _decoding(scheduler, 1)
-    assert _planned(scheduler) == [("s0", 1), ("s1", 60)]
-
-
-def test_the_oldest_prompt_moves_on_when_decoding_takes_the_whole_budget(runtime):
-    scheduler = _scheduler(runtime, 5, 5, 5, 30, budget=2)
-    _decoding(scheduler, 3)
-    # Two tokens, not one: a chunk of one token would take another path through llama.cpp's attention.
-    assert _planned(scheduler) == [("s0", 1), ("s1", 1), ("s2", 1), ("s3", 2)]
+def test_decoding_and_a_prompt_take_turns_never_sharing_a_step(runtime):
+    """A prompt chunk beside one-token rows would be split by llama.cpp, its first token decoded alone."""
+    scheduler = _scheduler(runtime, 10, 10, 200)
+    _decoding(scheduler, 2)
+    steps = []
+    for _ in range(4):
+        plan = scheduler.schedule()
+        steps.append([(chunk.request.session_key, len(chunk.tokens)) for chunk in plan.chunks])
+        scheduler.update(plan)
+        for request in scheduler.running[:2]:
+            request.last_token = 7  # sampled again
+    assert steps == [[("s2", 64)], [("s0", 1), ("s1", 1)], [("s2", 64)], [("s0", 1), ("s1", 1)]]
 
 
 @pytest.mark.parametrize(
-    ("prompt", "decoding", "budget", "planned"),
+    ("prompt", "budget", "planned"),
     [
-        (65, 0, 64, 63),  # not 64, which would leave one token for a step of its own
-        (3, 2, 4, 3),  # not 2 and then 1: a token over the budget
-        (40, 3, 4, 2),  # the budget leaves one
-        (1, 3, 4, 1),  # a prompt with one token to go is one row whatever decodes beside it
+        (65, 64, 63),  # not 64, which would leave one token for a step of its own
+        (66, 64, 64),
+        (3, 2, 3),  # not 2 and then 1: a token over the budget
+        (1, 64, 1),  # a prompt with one token to go is one row whatever else runs
     ],
 )
-def test_a_prompt_chunk_is_never_one_token_that_the_batch_made(runtime, prompt, decoding, budget, planned):
-    scheduler = _scheduler(runtime, *[5] * decoding, prompt, budget=budget)
-    _decoding(scheduler, decoding)
-    assert _planned(scheduler)[-1] == (f"s{decoding}", planned)
+def test_a_prompt_chunk_is_never_one_token_that_the_budget_made(runtime, prompt, budget, planned):
+    assert _planned(_scheduler(runtime, prompt, budget=budget)) == [("s0", planned)]
 
 
 def test_the_default_budget_is_small_on_a_cpu_and_large_with_a_gpu():
