@@ -61,7 +61,7 @@ class EngineConfig(BaseSettings):
     # bench_stack's batched replay as fast on an AMD EPYC (AVX2), 1.48x faster on an Intel Xeon with
     # AVX-512 (README, sessions 35 and 38).
     FLASH_ATTN: Literal["auto", "on", "off"] = "auto"
-    # Tokens per llama_decode step: one per decoding sequence, the rest prompts (`Scheduler.schedule`).
+    # Tokens in a step of the oldest prompt's chunk; a step of decoding takes one per sequence (`Scheduler.schedule`).
     # 0: 64 on a CPU, where a step costs about the same per token at any size and a small budget gives
     # first tokens sooner; 512 with layers on a GPU, where a large step costs little more than a small one.
     STEP_TOKEN_BUDGET: int = Field(0, ge=0)
