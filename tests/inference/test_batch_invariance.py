@@ -76,9 +76,11 @@ def _cut(tokens: int) -> list[int]:
 
 
 def test_a_prompt_decodes_the_same_in_any_chunks_of_two_tokens_or_more(model_file):
-    """How a prompt is cut into chunks depends on what decodes beside it (the step's budget); the scheduler
-    never cuts off a chunk of one token, because one row takes another path through llama.cpp's attention
-    and its sums can come out apart, here shown at some of the places such a chunk could fall."""
+    """How a prompt is cut into chunks depends on where its cached part ends and on the step's budget, and
+    that changes nothing. What the scheduler avoids does: a chunk of one token, or a chunk beside sequences
+    that decode one token (which llama.cpp splits so that the chunk's first token is a row of its own).
+    One row takes another path through llama.cpp's attention, and its sums can come out apart, here at
+    some of the places such a row could fall."""
     runtime = LlamaRuntime(SMALL_ENGINE)
     try:
         whole = _prefilled(runtime, 0, [64, 56])
@@ -86,8 +88,7 @@ def test_a_prompt_decodes_the_same_in_any_chunks_of_two_tokens_or_more(model_fil
             assert np.array_equal(_prefilled(runtime, 1, chunks), whole), chunks
         alone = [_prefilled(runtime, 1, [at, 1, *_cut(PROMPT - at - 1)]) for at in (40, 47, 50, 55, 63)]
         assert any(not np.array_equal(logits, whole) for logits in alone)
-        # A chunk beside a sequence that decodes one token: llama.cpp's micro-batches take one token from
-        # each, so the chunk's first token is such a row of its own (why the scheduler never mixes them).
+        # A chunk beside a sequence that decodes one token: llama.cpp's micro-batches take one token from each.
         beside = [_prefilled(runtime, 1, [at, *_cut(PROMPT - at)], beside=2) for at in (40, 47, 50, 55, 63)]
         assert any(not np.array_equal(logits, whole) for logits in beside)
     finally:
