@@ -56,7 +56,7 @@ class LlamaRuntime:
         self.model = LlamaModel(path_model=str(self.model_file.path), params=model_params, verbose=False)
         self._pieces: dict[int, bytes] = {}
         threads = config.N_THREADS or os.cpu_count() or 1
-        # A prompt's chunk may take a token past a step budget of 2 (scheduler._chunk_size).
+        # A prompt's chunk may be 3 tokens under a step budget of 1 or 2 (scheduler._chunk_size).
         self.batch_capacity = max(config.step_token_budget, config.MAX_CONCURRENT, 3)
         ctx_params = llama_cpp.llama_context_default_params()
         ctx_params.n_ctx = config.kv_cells

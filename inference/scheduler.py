@@ -101,13 +101,11 @@ class Scheduler:
         sorted)."""
         decoding = [request for request in self.running if request.last_token is not None]
         oldest = next((r for r in self.running if r.state is RequestState.PREFILLING), None)  # admission order
-        tokens: dict[int, list[int]] = {}
-        if oldest is not None and not (decoding and self._prefilled_last):
-            budget = self.config.step_token_budget
-            tokens[id(oldest)] = oldest.pending[: _chunk_size(len(oldest.pending), budget)]
+        self._prefilled_last = oldest is not None and not (decoding and self._prefilled_last)
+        if oldest is not None and self._prefilled_last:
+            tokens = {id(oldest): oldest.pending[: _chunk_size(len(oldest.pending), self.config.step_token_budget)]}
         else:
             tokens = {id(request): [request.last_token] for request in decoding}  # type: ignore[list-item]
-        self._prefilled_last = oldest is not None and id(oldest) in tokens
         entries: list[BatchEntry] = []
         chunks: list[Chunk] = []
         for request in sorted(self.running, key=_seq_id):

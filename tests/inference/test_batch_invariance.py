@@ -6,13 +6,14 @@ import pytest
 from inference.llama_runtime import BatchEntry, LlamaRuntime
 from tests.conftest import SMALL_ENGINE
 
+TEXT = b"Hello there, how are you doing today? I am fine, thanks for asking. "
 CONTEXT = 600  # past 512 cells, where llama.cpp's CPU flash attention splits a lone sequence's cells
 
 
 def _alone_and_beside_another(runtime: LlamaRuntime) -> tuple[np.ndarray, np.ndarray]:
     """The logits of one token after CONTEXT tokens, decoded alone, then (in an identical sequence) beside
     a third sequence that decodes the same token."""
-    text = b"Hello there, how are you doing today? I am fine, thanks for asking. " * 60
+    text = TEXT * 60
     context = runtime.tokenize(text)[:CONTEXT]
     for seq in (0, 1, 2):
         for start in range(0, CONTEXT, 64):
@@ -53,7 +54,7 @@ PROMPT = 120
 def _prefilled(runtime: LlamaRuntime, seq: int, chunks: list[int], beside: int | None = None) -> np.ndarray:
     """The logits of a prompt's last token after it was decoded in `chunks`; with `beside`, the second
     chunk shares its step with that sequence decoding one token (sequence ids in order, as the engine's)."""
-    prompt = runtime.tokenize(b"Hello there, how are you doing today? I am fine, thanks for asking. " * 20)[:PROMPT]
+    prompt = runtime.tokenize(TEXT * 20)[:PROMPT]
     assert sum(chunks) == PROMPT
     runtime.seq_truncate(seq, 0)
     if beside is not None:
