@@ -1,12 +1,12 @@
 """The session KV cache's disk tier: real engines on the real model, writing real files.
 
-Engines here take one prompt token per step (STEP_TOKEN_BUDGET=1): a prefill then runs llama.cpp's one-row
-kernels, as decoding does, so a recomputed prompt gives the same greedy reply as a restored one on every
-CPU (see test_batch_engine's note on batched kernels rounding differently on AVX-512 machines).
+A restored session must reply as the same session kept resident does: both hold the same KV cells, bit for
+bit. A prompt computed cold is no reference: the session decoded its reply's tokens one row at a time, and
+llama.cpp's CPU kernels round a row alone apart from a prompt's chunk, which can flip a greedy near-tie
+(seen with the 8-bit SmolLM2; see test_batch_engine's note on the same).
 """
 
 import ctypes
-import dataclasses
 import logging
 import time
 from collections.abc import Iterator
@@ -22,7 +22,6 @@ from tests.conftest import SMALL_ENGINE
 from tests.helpers import wait_until
 
 GREEDY = Sampling(max_tokens=12, temperature=0, top_p=1, repeat_penalty=1.1)
-COLD = dataclasses.replace(GREEDY, cache_prompt=False)  # nothing reused, though another session holds the prompt
 FIRST = ChatMessage("user", "My sister Ana keeps three goats and a very old donkey on her farm near Porto.")
 FOLLOW_UP = ChatMessage("user", "What animals does my sister keep?")
 
@@ -33,7 +32,7 @@ def engines(tmp_path: Path) -> Iterator:
     started: list[BatchEngine] = []
 
     def start(node: str, **settings) -> BatchEngine:
-        config = SMALL_ENGINE.replace(STEP_TOKEN_BUDGET=1, KV_DISK_PATH=str(tmp_path), NODE_NAME=node, KV_DISK_IDLE_S=0)
+        config = SMALL_ENGINE.replace(KV_DISK_PATH=str(tmp_path), NODE_NAME=node, KV_DISK_IDLE_S=0)
         engine = BatchEngine(config.replace(**settings))
         started.append(engine)
         return engine
@@ -52,25 +51,27 @@ def _conversation(engine: BatchEngine, session: str) -> tuple[list[int], int]:
     return engine.chat_format.render([FIRST, answer, FOLLOW_UP]), len(prompt) + len(reply.token_ids)
 
 
-def test_a_restarted_node_restores_from_disk_and_replies_as_if_it_had_recomputed(engines):
+def test_a_restarted_node_restores_from_disk_and_replies_as_if_it_had_kept_the_session(engines):
     first = engines("node-a")
     prompt, held = _conversation(first, "talk")
-    first.close()  # a clean shutdown writes the resident session
+    _conversation(first, "kept")  # the same turn on a session that stays resident and goes on
+    kept = first.generate(session_key="kept", prompt=prompt, sampling=GREEDY)
+    first.close()  # a clean shutdown writes the resident sessions
 
     restarted = engines("node-a")
-    assert restarted.stats().disk_sessions == 1
+    assert restarted.stats().disk_sessions == 2
     restored = restarted.generate(session_key="talk", prompt=prompt, sampling=GREEDY)
-    recomputed = restarted.generate(session_key="someone-else", prompt=prompt, sampling=COLD)
 
     assert (restored.cache_source, restored.cached_tokens) == ("disk", held)  # all a resident session reuses
-    assert (recomputed.cache_source, recomputed.cached_tokens) == ("none", 0)
-    assert restored.token_ids == recomputed.token_ids
+    assert (kept.cache_source, kept.cached_tokens) == ("resident", held)
+    assert restored.token_ids == kept.token_ids
 
 
 def test_a_session_moved_to_a_draining_nodes_neighbour_restores_from_the_shared_tier(engines):
     draining = engines("node-a")
     prompt, held = _conversation(draining, "moving")
     neighbour = engines("node-b")
+    _conversation(neighbour, "reference")  # the same turn, on a session the neighbour keeps
     reference = neighbour.generate(session_key="reference", prompt=prompt, sampling=GREEDY)
 
     draining.set_draining(True)  # as its heartbeat does when the router drains it
