@@ -250,8 +250,8 @@ CHAT_QUEUE_PER_SLOT = env.int("CHAT_QUEUE_PER_SLOT", default=4)
 # A turn queued this long on an idle node lost its Celery task (a broker restart) and is sent again.
 CHAT_LOST_TURN_SECONDS = env.float("CHAT_LOST_TURN_SECONDS", default=20.0)
 # The model new conversations get (the API's `model` field and the chat page pick others); each node
-# serves one model, and a model is offered while some node serves it.
-CHAT_DEFAULT_MODEL = env.str("CHAT_DEFAULT_MODEL", default=DEFAULT_MODEL)
+# serves one model, and a model is offered while some node serves it. Empty: the packaged default.
+CHAT_DEFAULT_MODEL = env.str("CHAT_DEFAULT_MODEL", default="") or DEFAULT_MODEL
 # How long an API request waits for its reply before giving up (and cancelling it).
 CHAT_API_TIMEOUT_SECONDS = env.int("CHAT_API_TIMEOUT_SECONDS", default=600)
 # How long a browser's event stream waits on Redis between entries (a keep-alive is sent in between).

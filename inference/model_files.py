@@ -108,17 +108,17 @@ MODEL_CACHE = Path.home() / ".cache" / "chatapp-models"
 PACKAGED = {
     model.name: model
     for model in (
-        PackagedModel("smollm2-135m-instruct", "SmolLM2-135M-Instruct, Q4_1 (Apache-2.0): the chat default", _smollm2),
+        PackagedModel("smollm2-135m-instruct", "SmolLM2-135M-Instruct, Q4_1 (Apache-2.0), as packaged", _smollm2),
         PackagedModel(
             "smollm2-135m-instruct-q8_0",
-            "The same weights at 8 bits: prompts and batched steps decode faster on a CPU",
+            "The same weights at 8 bits, the chat default: prompts and batched steps decode faster on a CPU",
             _smollm2_q8_0,
         ),
         # The base model's GGUF has no chat template: Gemma's turn markers, which its vocabulary has.
         PackagedModel("gemma-3-270m", "Gemma 3 270M base, Q4_K_M: continues text, not instructions", _gemma3, "gemma"),
     )
 }
-DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_MODEL = "smollm2-135m-instruct-q8_0"
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from playwright.sync_api import Browser, expect
 from chatapp.api.keys import api_key_create
 from chatapp.models import Conversation, Message, Turn
 from chatapp.turns import admission
-from inference.model_files import resolve_model
+from inference.model_files import DEFAULT_MODEL, resolve_model
 from inference.tokenizer import chat_format_for
 from router.models import AssignmentMove, Node, SessionAssignment
 from router.services import healthy_nodes
@@ -21,7 +21,7 @@ from tests.factories import ConversationFactory, UserFactory
 from tests.helpers import only_these_nodes, wait_for_turn
 
 pytestmark = pytest.mark.django_db(transaction=True)
-SMOL, GEMMA = "smollm2-135m-instruct", "gemma-3-270m"
+SMOL, GEMMA = DEFAULT_MODEL, "gemma-3-270m"
 
 
 @pytest.fixture(scope="module")

@@ -8,11 +8,12 @@ from django.utils import timezone
 from chatapp.api.keys import LAST_USED_RESOLUTION, api_key_create, api_key_find
 from chatapp.models import ApiKey, Message, Turn
 from chatapp.turns import lifecycle
+from inference.model_files import DEFAULT_MODEL
 from router.models import Node
 from tests.helpers import generation
 
 URL = "/v1/chat/completions"
-MODEL = "smollm2-135m-instruct"  # the default model, which the idle node serves
+MODEL = DEFAULT_MODEL  # the idle node serves it
 
 
 @pytest.fixture

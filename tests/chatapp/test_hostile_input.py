@@ -15,6 +15,7 @@ from chatapp.api.keys import api_key_create
 from chatapp.models import Conversation, Message, Turn, UserFact
 from chatapp.turns import admission
 from inference.chat_templates import ChatMessage
+from inference.model_files import DEFAULT_MODEL
 from tests.factories import ConversationFactory
 from tests.helpers import wait_for_turn
 
@@ -43,7 +44,7 @@ bodies = (
     st.fixed_dictionaries(
         {},
         optional={
-            "model": st.just("smollm2-135m-instruct") | st.text(max_size=12) | json_values,
+            "model": st.just(DEFAULT_MODEL) | st.text(max_size=12) | json_values,
             "messages": messages | json_values,
             "stream": st.booleans() | json_values,
             "max_tokens": st.integers(-5, 10**7) | json_values,
@@ -105,7 +106,7 @@ def test_an_oversized_api_body_is_413(client, key, db):
 
 @pytest.mark.django_db(transaction=True)
 def test_chat_template_injection_stays_text_in_the_prompt(client, key, node, chat_format):
-    body = {"model": "smollm2-135m-instruct", "max_tokens": 4, "messages": [{"role": "user", "content": INJECTION}]}
+    body = {"model": DEFAULT_MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": INJECTION}]}
     response = client.post(
         URL, data=json.dumps(body), content_type="application/json", HTTP_AUTHORIZATION=f"Bearer {key}"
     )

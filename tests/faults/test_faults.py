@@ -24,6 +24,7 @@ from chatapp import streams
 from chatapp.api.keys import api_key_create
 from chatapp.models import Message, Turn
 from chatapp.turns import admission
+from inference.model_files import DEFAULT_MODEL
 from router.models import Node
 from tests.conftest import free_port, start_node, start_web, stop_node
 from tests.factories import ConversationFactory, UserFactory
@@ -43,7 +44,7 @@ def replies_stored(turn: Turn) -> int:
 
 
 def chat(url: str, key: str, text: str, **sampling) -> tuple[int, dict]:
-    body = {"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": text}], **sampling}
+    body = {"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": text}], **sampling}
     return post_json(f"{url}/v1/chat/completions", body, key=key)
 
 
@@ -220,7 +221,7 @@ def test_an_api_client_that_goes_away_mid_stream_stops_its_turn(node, asgi_serve
     _, key = api_key_create(owner=user, name="faults")
     parts = urlsplit(asgi_server)
     api = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
-    body = {"model": "smollm2-135m-instruct", "stream": True, "messages": [{"role": "user", "content": LONG_PROMPT}]}
+    body = {"model": DEFAULT_MODEL, "stream": True, "messages": [{"role": "user", "content": LONG_PROMPT}]}
     api.request(
         "POST",
         "/v1/chat/completions",

@@ -22,6 +22,7 @@ from chatapp import streams
 from chatapp.api.keys import api_key_create
 from chatapp.models import Conversation, Message, Turn
 from chatapp.turns import admission
+from inference.model_files import DEFAULT_MODEL
 from router.models import Node
 from router.services import assignment_move
 from tests.conftest import PRODUCT_DB_OPTIONS, start_node, start_web, stop_node
@@ -51,7 +52,7 @@ class ApiStream:
         self.errors: list[dict] = []
         self.status: int | None = None
         self.done = False
-        body = {"model": "smollm2-135m-instruct", "stream": True, "messages": messages, **params}
+        body = {"model": DEFAULT_MODEL, "stream": True, "messages": messages, **params}
         headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json", "X-Session-ID": session}
         self._thread = threading.Thread(target=self._read, args=(url, body, headers), daemon=True)
         self._thread.start()
@@ -82,7 +83,7 @@ class ApiStream:
 def post(url: str, key: str, messages: list[dict], *, session: str, **params) -> tuple[int, dict, dict]:
     parts = urlsplit(url)
     connection = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port, timeout=240)
-    body = {"model": "smollm2-135m-instruct", "messages": messages, **params}
+    body = {"model": DEFAULT_MODEL, "messages": messages, **params}
     headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json", "X-Session-ID": session}
     connection.request("POST", "/v1/chat/completions", body=json.dumps(body), headers=headers)
     response = connection.getresponse()
