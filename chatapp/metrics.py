@@ -95,6 +95,14 @@ def _node_metrics(nodes: list[Node]) -> Iterator[Metric]:
     )
     generated = CounterMetricFamily("chat_node_generated_tokens", "Tokens generated", labels=["node"])
     requests = CounterMetricFamily("chat_node_requests", "Requests finished", labels=["node"])
+    steps = {
+        field: CounterMetricFamily(f"chat_node_{name}", help_text, labels=["node", "kind"])
+        for field, name, help_text in (
+            ("steps", "steps", "Decode steps (llama_decode calls), by kind: decode or prefill"),
+            ("tokens", "step_tokens", "Tokens in decode steps, by kind (decode: the running sequences of each)"),
+            ("seconds", "step_seconds", "Seconds in llama_decode, by kind (its share of wall time: how busy)"),
+        )
+    }
     timings = {
         name: HistogramMetricFamily(f"chat_node_{name}_seconds", help_text, labels=["node"])
         for name, help_text in (
@@ -117,12 +125,15 @@ def _node_metrics(nodes: list[Node]) -> Iterator[Metric]:
             prompt.add_metric([name, kind], totals["tokens"][kind])
         generated.add_metric([name], totals["tokens"]["generated"])
         requests.add_metric([name], totals["requests"])
+        for kind, step in totals.get("steps", {}).items():  # absent from a node older than session 41
+            for field, counter in steps.items():
+                counter.add_metric([name, kind], step[field])
         for timing, histogram in timings.items():
             recorded = totals["histograms"][timing]
             buckets = [(str(le), float(n)) for le, n in zip(recorded["le"], recorded["counts"], strict=True)]
             histogram.add_metric([name], buckets, recorded["sum"])
     yield from gauges.values()
-    yield from (prompt, generated, requests, *timings.values())
+    yield from (prompt, generated, requests, *steps.values(), *timings.values())
 
 
 def _router_metrics() -> Iterator[Metric]:

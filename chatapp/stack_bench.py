@@ -6,7 +6,8 @@ resends the session's whole history (streaming, greedy, a fixed `max_tokens`), a
 wrote goes into the history. Each server's figures come from its own answers (TTFT as the client saw it,
 the cached prompt tokens it reports) and from /proc (the CPU time its processes used, split into
 llama.cpp's compute threads and everything else the server needs: for this stack, the node's other
-threads, the web process, Postgres and Redis).
+threads, the web process, Postgres and Redis). For this stack the node's own counters also say how much of
+the replay its engine spent inside llama_decode, and how many sequences a decode step held.
 """
 
 import http.client
@@ -30,6 +31,8 @@ from inference.benchmark import alternating, paired, run_parallel
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 Figures = list[dict[str, float]]  # one replay's figures per repeat
+# ReplayResult.engine_figures' names, in the order the table shows them.
+ENGINE_FIGURES = ("engine_busy_share", "engine_prefill_share", "decode_step_sequences")
 
 
 def other_cpu_part(name: str) -> str:
@@ -54,6 +57,8 @@ class Server:
     body: dict = field(default_factory=dict)  # request fields only this server needs
     compute_threads: int = 2  # llama.cpp's threads: the busiest threads of `pids` in a replay
     services: tuple[str, ...] = ()  # programs, by process name, that work only for this server in its replay
+    # The engine's decode-step totals by kind, exact when read between replays (this stack's node only).
+    engine_steps: Callable[[], dict[str, dict[str, float]]] | None = None
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,7 @@ class ReplayResult:
     other_cpu_s: float = 0.0  # every other thread of the server's processes, and its services
     other_cpu_parts: dict[str, float] = field(default_factory=dict)  # other_cpu_s by process and service
     machine_cpu_s: float = 0.0
+    engine_steps: dict[str, dict[str, float]] = field(default_factory=dict)  # by kind: the replay's steps
     ttft_ms: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -109,6 +115,18 @@ class ReplayResult:
         capacity = self.wall_s * (os.cpu_count() or 1)
         return max(1 - self.machine_cpu_s / capacity, 0.0) if capacity else math.nan
 
+    def engine_figures(self) -> dict[str, float]:
+        """The share of the replay's wall time the engine spent in llama_decode (all steps, and prefill steps),
+        and the sequences a decode step held on average; none for a server that does not count its steps."""
+        if not self.engine_steps:
+            return {}
+        decode, prefill = self.engine_steps["decode"], self.engine_steps["prefill"]
+        return {
+            "engine_busy_share": (decode["seconds"] + prefill["seconds"]) / self.wall_s,
+            "engine_prefill_share": prefill["seconds"] / self.wall_s,
+            "decode_step_sequences": decode["tokens"] / max(decode["steps"], 1),
+        }
+
     def figures(self) -> dict[str, float]:
         tokens = max(self.completion_tokens, 1)
         return {
@@ -122,6 +140,7 @@ class ReplayResult:
             **{other_cpu_part(name): 1000 * cpu / tokens for name, cpu in self.other_cpu_parts.items()},
             "machine_cpu_ms_per_token": 1000 * self.machine_cpu_s / tokens,
             "machine_idle_share": self.machine_idle_share(),
+            **self.engine_figures(),
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "errors": len(self.errors),
@@ -196,6 +215,7 @@ def replay(
                 result.add(answer)
             history.append({"role": "assistant", "content": answer.text})
 
+    steps_before = server.engine_steps() if server.engine_steps else {}
     threads_before = thread_cpu_s(server.pids)
     processes_before = {pid: process_cpu_s([pid]) for pid in server.pids}
     services_before = {name: service_cpu_s([name]) for name in server.services}
@@ -215,6 +235,12 @@ def replay(
         result.other_cpu_parts[name] = service_cpu_s([name]) - services_before[name]
     result.other_cpu_s = sum(result.other_cpu_parts.values())
     result.machine_cpu_s = machine_cpu_s() - machine_before
+    if steps_before and server.engine_steps:
+        steps_after = server.engine_steps()
+        result.engine_steps = {
+            kind: {field: totals[field] - steps_before[kind][field] for field in totals}
+            for kind, totals in steps_after.items()
+        }
     return result
 
 

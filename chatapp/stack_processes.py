@@ -12,6 +12,7 @@ from pathlib import Path
 from django.conf import settings
 from django.core.management.base import CommandError
 from django.db import connection
+from django.utils import timezone
 
 from router.models import Node
 
@@ -48,6 +49,19 @@ class Stack:
                 return
             time.sleep(0.5)
         raise CommandError(f"The nodes did not start within {timeout:.0f}s; see the logs in {self.log_dir}.")
+
+    def node_steps(self, name: str, timeout: float = 10) -> dict[str, dict[str, float]]:
+        """The node's decode-step totals by kind (inference.engine_metrics) from a heartbeat sent after this
+        call: read while its engine is idle (before and after a replay), they are exact."""
+        asked = timezone.now()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.check_alive()
+            node = Node.objects.get(name=name)
+            if node.last_heartbeat and node.last_heartbeat > asked:
+                return node.stats.get("totals", {}).get("steps", {})  # {} from a checkout before session 41
+            time.sleep(0.2)
+        raise CommandError(f"Node {name} sent no heartbeat within {timeout:.0f}s; see the logs in {self.log_dir}.")
 
     def check_alive(self) -> None:
         for label, process in self.processes.items():

@@ -235,12 +235,14 @@ class BatchEngine:
         plan = self.scheduler.schedule()
         if not plan.entries:
             return
+        started = time.perf_counter()
         try:
             self.runtime.decode(plan.entries)
         except NoKVSlot:
             if not self.sessions.spill_one_idle():
                 raise
             self.runtime.decode(plan.entries)
+        self.metrics.observe_step(plan.kind, len(plan.entries), time.perf_counter() - started)
         for chunk in self.scheduler.update(plan):
             assert chunk.request.sampler is not None and chunk.logits_index is not None
             self._accept_token(chunk.request, self.runtime.sample(chunk.request.sampler, chunk.logits_index))

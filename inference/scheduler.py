@@ -15,6 +15,7 @@ from inference.config import EngineConfig
 from inference.llama_runtime import BatchEntry, LlamaRuntime
 from inference.request import Request, RequestState
 from inference.session_cache import Session, SessionCache, common_prefix
+from inference.types import StepKind
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class Chunk:
 
 @dataclass(frozen=True)
 class StepPlan:
+    kind: StepKind
     entries: list[BatchEntry]
     chunks: list[Chunk]
 
@@ -120,7 +122,7 @@ class Scheduler:
             for i, token in enumerate(chunk):
                 entries.append(BatchEntry(token, start + i, seq_id, wants_logits and i == len(chunk) - 1))
             chunks.append(Chunk(request, chunk, len(entries) - 1 if wants_logits else None))
-        return StepPlan(entries, chunks)
+        return StepPlan("prefill" if self._prefilled_last else "decode", entries, chunks)
 
     def update(self, plan: StepPlan) -> list[Chunk]:
         """Record a decoded step in the ledger and move requests on; the chunks to sample a token from."""

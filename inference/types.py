@@ -8,6 +8,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 FinishReason = Literal["stop", "length", "cancelled"]
+# A decode step either decodes one token for each running sequence or prefills one prompt's chunk.
+StepKind = Literal["decode", "prefill"]
+STEP_KINDS: tuple[StepKind, ...] = ("decode", "prefill")
 
 
 class PromptTooLong(ValueError):

@@ -58,6 +58,14 @@ def test_a_turn_moves_the_counters_by_what_it_cost(client, node):
     assert moved("chat_node_first_token_seconds_count") == 1
     assert moved("chat_node_first_token_seconds_bucket", le="+Inf") == 1
     assert moved("chat_node_requests_total") == 1
+    # The prompt's computed tokens went through prefill steps; the reply through decode steps of one token
+    # each (the turn ran alone), every step timed inside llama_decode.
+    assert moved("chat_node_step_tokens_total", kind="prefill") == turn.computed_tokens
+    assert 1 <= moved("chat_node_steps_total", kind="prefill") <= turn.computed_tokens
+    assert moved("chat_node_step_tokens_total", kind="decode") == moved("chat_node_steps_total", kind="decode")
+    assert moved("chat_node_steps_total", kind="decode") >= turn.completion_tokens - 1
+    assert moved("chat_node_step_seconds_total", kind="prefill") > 0
+    assert moved("chat_node_step_seconds_total", kind="decode") > 0
     assert after[("chat_node_up", (("model", turn.model), ("node", node)))] == 1
     assert of_node(after, "chat_node_kv_cells_total") > 0
     assert after[("chat_router_assignments", (("node", node),))] >= 1

@@ -125,6 +125,10 @@ def test_an_ab_run_replays_the_same_sessions_through_a_stack_from_another_checko
         # The other CPU, split by where it went: the node besides llama.cpp's threads, the web, the services.
         parts = [figures[f"{side}_other_cpu_of_{part}_ms_per_token_2x2"] for part in WHERE_OTHER_CPU_GOES]
         assert sum(parts) == pytest.approx(figures[f"{side}_other_cpu_ms_per_token_2x2"], rel=0.01, abs=0.01)
+        # The node's own step counters: part of the replay inside llama_decode, some of it prefilling, and
+        # one or both sessions in each decode step.
+        assert 0 < figures[f"{side}_engine_prefill_share_2x2"] < figures[f"{side}_engine_busy_share_2x2"] <= 1
+        assert 1 <= figures[f"{side}_decode_step_sequences_2x2"] <= 2
     # The same code on both sides writes the same greedy replies, so the second turns' prompts are the same.
     assert figures["stack_prompt_tokens_2x2"] == figures["baseline_prompt_tokens_2x2"]
     assert figures["wall_ratio_2x2"] > 0 and figures["wall_ratio_2x2_range"][0] == figures["wall_ratio_2x2"]

@@ -56,11 +56,12 @@ def test_decoding_and_a_prompt_take_turns_never_sharing_a_step(runtime):
     steps = []
     for _ in range(4):
         plan = scheduler.schedule()
-        steps.append([(chunk.request.session_key, len(chunk.tokens)) for chunk in plan.chunks])
+        steps.append((plan.kind, [(chunk.request.session_key, len(chunk.tokens)) for chunk in plan.chunks]))
         scheduler.update(plan)
         for request in scheduler.running[:2]:
             request.last_token = 7  # sampled again
-    assert steps == [[("s2", 64)], [("s0", 1), ("s1", 1)], [("s2", 64)], [("s0", 1), ("s1", 1)]]
+    prefill, decode = ("prefill", [("s2", 64)]), ("decode", [("s0", 1), ("s1", 1)])
+    assert steps == [prefill, decode, prefill, decode]
 
 
 @pytest.mark.parametrize(

@@ -16,6 +16,7 @@ from chatapp import quotas
 from chatapp.api.keys import api_key_create
 from chatapp.datasets import chitchat_conversations
 from chatapp.stack_bench import (
+    ENGINE_FIGURES,
     RATIOS,
     Contender,
     Scenario,
@@ -162,6 +163,7 @@ class Command(BaseCommand):
             compute_threads=o["threads"],
             # Nothing else uses them during the replay: their CPU is the stack's.
             services=("postgres", "redis-server"),
+            engine_steps=partial(stack.node_steps, node_name),
         )
         warm_up(server, f"{node_name}-warm-up")
         return server
@@ -221,6 +223,11 @@ class Command(BaseCommand):
             for figure in figures:
                 ours, theirs = summary[f"stack_{figure}_{label}"], summary[f"{other}_{figure}_{label}"]
                 self.stdout.write(f"  {figure:28} {ours:12.3f} {theirs:13.3f}")
+            for figure in ENGINE_FIGURES:  # this stack's node counts them; llama-server does not
+                values = [summary.get(f"{side}_{figure}_{label}") for side in ("stack", other)]
+                if values[0] is not None:
+                    shown = [f"{value:.3f}" if value is not None else "-" for value in values]
+                    self.stdout.write(f"  {figure:28} {shown[0]:>12} {shown[1]:>13}")
             for side in ("stack", other):
                 parts = sorted(other_cpu_parts(summary, side, label).items(), key=lambda part: -part[1])
                 self.stdout.write(f"  other CPU ms a token, {side}: " + ", ".join(f"{n} {ms:.3f}" for n, ms in parts))
