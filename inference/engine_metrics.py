@@ -50,7 +50,8 @@ class EngineMetrics:
             step["seconds"] += seconds
 
     def snapshot(self) -> dict[str, Any]:
-        """The totals as JSON: tokens, requests, and per timing its cumulative bucket counts and sum."""
+        """The totals as JSON: tokens, requests, per timing its cumulative bucket counts and sum, and per step
+        kind its steps, tokens and seconds."""
         with self._lock:
             histograms = {}
             for name in TIMINGS:
