@@ -1,12 +1,13 @@
 """Continuous batching over one llama.cpp context, with a session-keyed KV cache.
 
 One engine thread owns the context. Each step the scheduler (`inference.scheduler`) plans a single
-`llama_decode` batch from every running sequence: one token for each that is decoding, then prefill
-chunks under the step's token budget (chunked prefill, so a long prompt never stalls the others); the
-engine decodes it and samples. A finished sequence leaves and a waiting request joins at the next step
-(iteration-level scheduling, Orca, OSDI '22). Requests come from any thread through `submit`. Text goes to
-each request's `on_text` from the engine thread as soon as it is sampled; the result (or an error) goes
-back through the request's event queue to the waiting caller.
+`llama_decode` batch: one token for each running sequence that is decoding, or a chunk of the oldest
+prompt under the step's token budget (chunked prefill, so a long prompt never stalls the others), the two
+kinds taking turns; the engine decodes it, counts it (`EngineMetrics.observe_step`) and samples. A
+finished sequence leaves and a waiting request joins at the next step (iteration-level scheduling, Orca,
+OSDI '22). Requests come from any thread through `submit`. Text goes to each request's `on_text` from the
+engine thread as soon as it is sampled; the result (or an error) goes back through the request's event
+queue to the waiting caller.
 """
 
 import logging
