@@ -1,7 +1,6 @@
 """The product's own processes, started by a benchmark or a load test: inference nodes and a web process
 on the database this process uses, each logging to var/<run>/<name>.log."""
 
-import os
 import socket
 import subprocess
 import sys
@@ -14,6 +13,7 @@ from django.core.management.base import CommandError
 from django.db import connection
 from django.utils import timezone
 
+from inference import environment_for_children
 from router.models import Node
 
 
@@ -105,7 +105,7 @@ def product_environment(extra: dict[str, str]) -> dict[str, str]:
     db = connection.settings_dict
     auth = db["USER"] + (f":{db['PASSWORD']}" if db["PASSWORD"] else "")
     url = f"postgres://{auth}@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}"
-    return os.environ | extra | {"DATABASE_URL": url}
+    return environment_for_children() | extra | {"DATABASE_URL": url}
 
 
 def wait_for_http(url: str, process: subprocess.Popen, log: Path, timeout: float = 120) -> None:

@@ -10,4 +10,15 @@ the environment already chose.
 
 import os
 
+# Whether the environment chose the spin count, rather than this package.
+_SPIN_COUNT_CHOSEN = "GOMP_SPINCOUNT" in os.environ
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+
+
+def environment_for_children() -> dict[str, str]:
+    """This process's environment for a program it starts: without the spin count this package set, so
+    that a node from another checkout (`bench_stack --baseline`) applies its own default, not this one's."""
+    env = dict(os.environ)
+    if not _SPIN_COUNT_CHOSEN:
+        env.pop("GOMP_SPINCOUNT", None)
+    return env
