@@ -1,18 +1,20 @@
 """The inference node's engine, on llama.cpp.
 
-llama.cpp's CPU threads are an OpenMP team (libgomp). When a decode ends, libgomp keeps the idle
-threads spinning 300,000 rounds (milliseconds) before they sleep: on a node that is all of the
-engine's Python between two steps, a core taken from the web process, Postgres and the task threads.
-10,000 rounds still cover the waits inside one decode. libgomp reads this once, when llama.cpp's
-libraries load, and every import of llama_cpp here comes after this package's: it is set here, unless
-the environment already chose.
+llama.cpp's CPU threads are an OpenMP team (libgomp). A thread that waits, at a barrier inside a decode
+or for the next decode, spins before it sleeps: libgomp's default, 300,000 rounds (milliseconds), holds a
+core through the engine's Python between two steps, a core the web process, Postgres and the task
+threads need. Too short a spin (10,000, the default until session 42) puts a thread to sleep at a barrier
+whenever its partner was preempted for a moment, and waking it costs more than the wait: the machine
+stood idle 5% of a replay. 100,000 rounds cover those waits (the README's settings table has the A/B). libgomp
+reads this once, when llama.cpp's libraries load, and every import of llama_cpp here comes after this
+package's: it is set here, unless the environment already chose.
 """
 
 import os
 
 # Whether the environment chose the spin count, rather than this package.
 _SPIN_COUNT_CHOSEN = "GOMP_SPINCOUNT" in os.environ
-os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+os.environ.setdefault("GOMP_SPINCOUNT", "100000")
 
 
 def environment_for_children() -> dict[str, str]:
