@@ -91,7 +91,6 @@ class ReplayResult:
     other_cpu_s: float = 0.0  # every other thread of the server's processes, and its services
     other_cpu_parts: dict[str, float] = field(default_factory=dict)  # other_cpu_s by process and service
     machine_cpu_s: float = 0.0
-    machine_steal_s: float = 0.0  # of machine_cpu_s, what the hypervisor took
     engine_steps: dict[str, dict[str, float]] = field(default_factory=dict)  # by kind: the replay's steps
     ttft_ms: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
@@ -113,18 +112,8 @@ class ReplayResult:
         reads near zero with that spin counted as its CPU; the node's shorter spin (GOMP_SPINCOUNT) leaves the
         core free for the stack's other processes, and idle when they have nothing to do. /proc/stat counts
         in clock ticks: a fully busy machine can read a hair over its wall time."""
-        capacity = self._capacity_s()
+        capacity = self.wall_s * (os.cpu_count() or 1)
         return max(1 - self.machine_cpu_s / capacity, 0.0) if capacity else math.nan
-
-    def machine_steal_share(self) -> float:
-        """The share of all cores' time the hypervisor gave to other machines while this one's processes were
-        ready to run (/proc/stat's steal): a replay that lost more of it than its pair ran on a slower
-        machine, whatever the servers did."""
-        capacity = self._capacity_s()
-        return self.machine_steal_s / capacity if capacity else math.nan
-
-    def _capacity_s(self) -> float:
-        return self.wall_s * (os.cpu_count() or 1)
 
     def engine_figures(self) -> dict[str, float]:
         """The share of the replay's wall time the engine spent in llama_decode (all steps, and prefill steps),
@@ -151,7 +140,6 @@ class ReplayResult:
             **{other_cpu_part(name): 1000 * cpu / tokens for name, cpu in self.other_cpu_parts.items()},
             "machine_cpu_ms_per_token": 1000 * self.machine_cpu_s / tokens,
             "machine_idle_share": self.machine_idle_share(),
-            "machine_steal_share": self.machine_steal_share(),
             **self.engine_figures(),
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
@@ -231,7 +219,7 @@ def replay(
     threads_before = thread_cpu_s(server.pids)
     processes_before = {pid: process_cpu_s([pid]) for pid in server.pids}
     services_before = {name: service_cpu_s([name]) for name in server.services}
-    machine_before = MachineCpu.now()
+    machine_before = machine_cpu_s()
     result.wall_s = run_parallel([partial(one_session, k, texts) for k, texts in enumerate(conversations)])
     used = sorted(
         ((cpu - threads_before.get(thread, 0.0), thread) for thread, cpu in thread_cpu_s(server.pids).items()),
@@ -246,9 +234,7 @@ def replay(
     for name in server.services:
         result.other_cpu_parts[name] = service_cpu_s([name]) - services_before[name]
     result.other_cpu_s = sum(result.other_cpu_parts.values())
-    machine_after = MachineCpu.now()
-    result.machine_cpu_s = machine_after.busy_s - machine_before.busy_s
-    result.machine_steal_s = machine_after.steal_s - machine_before.steal_s
+    result.machine_cpu_s = machine_cpu_s() - machine_before
     if steps_before and server.engine_steps:
         steps_after = server.engine_steps()
         result.engine_steps = {
@@ -301,18 +287,11 @@ def service_cpu_s(names: Sequence[str]) -> float:
     return ticks / CLOCK_TICKS
 
 
-@dataclass(frozen=True)
-class MachineCpu:
-    """The whole machine's CPU seconds so far, all cores (/proc/stat's first line)."""
-
-    busy_s: float  # everything but idle and iowait, the hypervisor's share (steal) included
-    steal_s: float  # time a virtual CPU was ready to run and the hypervisor ran something else
-
-    @classmethod
-    def now(cls) -> "MachineCpu":
-        values = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-        user, nice, system, _idle, _iowait, irq, softirq, steal = values[:8]
-        return cls((user + nice + system + irq + softirq + steal) / CLOCK_TICKS, steal / CLOCK_TICKS)
+def machine_cpu_s() -> float:
+    """CPU seconds the whole machine has spent busy (everything but idle and iowait), all cores."""
+    values = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = values[:8]
+    return (user + nice + system + irq + softirq + steal) / CLOCK_TICKS
 
 
 @dataclass(frozen=True)

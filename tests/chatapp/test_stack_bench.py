@@ -70,7 +70,6 @@ def test_a_replay_through_the_stack_resends_history_and_reads_its_cache_hits(nod
     assert parts == pytest.approx(figures["other_cpu_ms_per_token"])
     assert figures["ttft_p50_ms"] <= figures["ttft_p90_ms"]
     assert 0 <= figures["machine_idle_share"] < 1
-    assert 0 <= figures["machine_steal_share"] < 1 and result.machine_steal_s <= result.machine_cpu_s
 
 
 def test_ratios_say_how_much_faster_this_stack_is_with_their_median_and_range():

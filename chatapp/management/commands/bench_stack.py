@@ -216,7 +216,7 @@ class Command(BaseCommand):
         self.stdout.write(", ".join(f"{k} {v}" for k, v in used.items()))
         figures = ["wall_s", "ttft_p50_ms", "ttft_p90_ms", "cache_hit", "cpu_ms_per_token"]
         figures += ["compute_cpu_ms_per_token", "other_cpu_ms_per_token", "machine_cpu_ms_per_token"]
-        figures += ["machine_idle_share", "machine_steal_share"]
+        figures += ["machine_idle_share"]
         for scenario in scenarios:
             label = scenario.label
             self.stdout.write(f"\n{label} (medians)          {'stack':>12} {other:>13}")
